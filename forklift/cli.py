@@ -1,0 +1,143 @@
+"""`forklift generate | chat`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from forklift.config import EngineConfig
+from forklift.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF model dir or GGUF file (default model)")
+    group.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=None)
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_threads=args.num_threads,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--temperature", type=float, default=0.7)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace, **extra: Any) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+        **extra,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from forklift.llm import LLM
+
+    params = sampling_params_from_args(args, n=args.n)
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    tokenizer = llm.get_tokenizer()
+    use_chat = not args.raw and tokenizer is not None and tokenizer.chat_template is not None
+    if use_chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs, strict=True):
+        for completion in output.outputs:
+            if len(args.prompt) > 1 or len(output.outputs) > 1:
+                print(f"--- prompt: {prompt!r} [{completion.index}]")
+            print(completion.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from forklift.chat_session import run_chat
+
+    engine_config = engine_config_from_args(args)
+    return run_chat(engine_config, lambda: sampling_params_from_args(args), args.system)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forklift", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for one or more prompts")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=256)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except ValueError as exc:
+        print(f"forklift: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

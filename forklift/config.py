@@ -1,0 +1,125 @@
+"""EngineConfig: every engine knob in one place, validated once, with vLLM's names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine. Unknown names are rejected by `from_kwargs`."""
+
+    # Path to an HF model directory or a GGUF file; None = the default model.
+    model: str | None = None
+    # "auto" = bfloat16 where the hardware is good at it (GPU, CPU with AMX/AVX512-BF16), else fp32.
+    dtype: str = "auto"
+    # "auto" = CUDA when available, else CPU.
+    device: str = "auto"
+    # Tokens per KV-cache block.
+    block_size: int = 16
+    # Longest prompt + output; None = the model's context length.
+    max_model_len: int | None = None
+    # Most sequences in one step.
+    max_num_seqs: int = 256
+    # Token budget of one step (prefill chunks + decodes); None = max(2048, max_num_seqs).
+    max_num_batched_tokens: int | None = None
+    # Fraction of device memory (CPU: of RAM) the engine may fill with weights, activations
+    # and KV cache. None = 0.9 on a GPU; 0.5 on a CPU, whose RAM the OS and other programs share.
+    gpu_memory_utilization: float | None = None
+    # Exact KV-cache size in bytes; overrides gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
+    # Seed for requests that bring none of their own.
+    seed: int = 0
+    # Torch intra-op threads on CPU; None = torch's default.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"valid arguments are: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        if not (self.dtype == "auto" or self.dtype in _DTYPES):
+            raise ValueError(
+                f"dtype must be 'auto' or one of {', '.join(_DTYPES)}; got {self.dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_model_len", self.max_model_len, optional=True)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        _positive("num_threads", self.num_threads, optional=True)
+        util = self.gpu_memory_utilization
+        if util is not None and not (0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_memory_utilization(self, device: torch.device) -> float:
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.9 if device.type == "cuda" else 0.5
+
+    def resolve_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(2048, self.max_num_seqs)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _positive(name: str, value: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,300 @@
+"""LLMEngine: add requests, step, stream outputs, abort."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from forklift.config import EngineConfig
+from forklift.engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.engine.output_processor import (
+    OutputProcessor,
+    ParentRequest,
+    Sequence,
+    mark_first_token,
+)
+from forklift.engine.request import FinishReason, Request
+from forklift.engine.scheduler import Scheduler
+from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
+from forklift.outputs import RequestMetrics, RequestOutput
+from forklift.runner.model_runner import ModelRunner
+from forklift.sampling_params import SamplingParams
+from forklift.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("forklift")
+
+# Distinct seeds for the n sequences of one seeded request; sequence 0 keeps the user's seed.
+_SEQUENCE_SEED_STRIDE = 0x9E3779B97F4A7C1
+
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        self.model_config = load_model_config(source)
+        self.tokenizer: Tokenizer | None = load_tokenizer(source)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(
+            self.model_config,
+            iter_model_weights(source, self.model_config),
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            sliding_window=self.model_config.sliding_window,
+        )
+        self.kv_plan = self.runner.plan_kv_cache(
+            max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            memory_utilization=config.resolve_memory_utilization(self.device),
+        )
+        self._check_kv_fits()
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self.kv_cache = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.resolve_max_num_batched_tokens()
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._parents: dict[str, ParentRequest] = {}
+        self._sequences: dict[str, tuple[ParentRequest, Sequence]] = {}
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+        self._log_startup(source.path)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit and not self.model_config.rope_scaling:
+            raise ValueError(
+                f"max_model_len ({wanted}) is larger than the model's context length ({limit})"
+            )
+        return wanted
+
+    def _check_kv_fits(self) -> None:
+        plan = self.kv_plan
+        needed = blocks_for_tokens(self.max_model_len, plan.block_size)
+        if plan.num_blocks - 1 < needed:
+            raise ValueError(
+                f"the KV cache holds {max(plan.num_blocks - 1, 0)} blocks "
+                f"({plan.token_capacity} tokens; budget {plan.source}), but one request of "
+                f"max_model_len={self.max_model_len} needs {needed} blocks of "
+                f"{plan.block_size} tokens. Raise kv_cache_memory_bytes or "
+                f"gpu_memory_utilization, or lower max_model_len."
+            )
+
+    def _log_startup(self, path: object) -> None:
+        plan = self.kv_plan
+        logger.info(
+            "forklift: model %s (%s, %s layers) on %s in %s",
+            path,
+            self.model_config.architecture,
+            self.model_config.num_layers,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB; %s); max concurrency at "
+            "max_model_len=%d: %.2fx",
+            plan.num_blocks - 1,
+            plan.block_size,
+            plan.token_capacity,
+            plan.num_blocks * plan.bytes_per_block / 2**20,
+            plan.source,
+            self.max_model_len,
+            plan.max_concurrency(self.max_model_len),
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt (text, token ids or a {"prompt" | "prompt_token_ids"} dict) -> ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one output token)"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; invalid input raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        params.validate()
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(prompt_ids)
+        if request_id is None:
+            request_id = self._fresh_id()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        parent = ParentRequest(request_id, text, prompt_ids, metrics)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        eos = (
+            self.tokenizer.eos_token_ids
+            if self.tokenizer
+            else frozenset(self.model_config.eos_token_ids)
+        )
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(
+                request_id=seq_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                seed=(base_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62),
+                max_tokens=max_tokens,
+                eos_token_ids=frozenset(eos),
+                arrival_time=metrics.arrival_time,
+            )
+            sequence = Sequence(index, request, self.output_processor.new_detokenizer(request))
+            parent.sequences.append(sequence)
+            self._sequences[seq_id] = (parent, sequence)
+        self._parents[request_id] = parent
+        for sequence in parent.sequences:
+            self.scheduler.add_request(sequence.request)
+        return request_id
+
+    def _fresh_id(self) -> str:
+        while True:
+            self._next_id += 1
+            candidate = str(self._next_id)
+            if candidate not in self._parents:
+                return candidate
+
+    def abort_request(self, request_id: str | Seq[str]) -> list[RequestOutput]:
+        """Abort requests wherever they are; their blocks are freed at once. Unknown ids are
+        ignored (the request may have just finished)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for sequence in parent.sequences:
+                self.scheduler.finish(sequence.request, FinishReason.ABORT)
+                self._sequences.pop(sequence.request.request_id, None)
+            parent.metrics.finished_time = time.time()
+            outputs.append(parent.to_output())
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for item in sched.scheduled:
+            parent, _ = self._sequences[item.request.request_id]
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+        tables = [self.kv_cache.block_table(s.request.request_id) for s in sched.scheduled]
+        result = self.runner.execute(sched.scheduled, tables)
+        sampled: list[int | None] = [None] * len(sched.scheduled)
+        if result.sampler_output is not None:
+            for row, item in enumerate(result.sampled_items):
+                sampled[item] = result.sampler_output.token_ids[row]
+        self.scheduler.update(sched, sampled)
+        touched: dict[str, ParentRequest] = {}
+        if result.sampler_output is not None:
+            for row, item in enumerate(result.sampled_items):
+                request = sched.scheduled[item].request
+                parent, sequence = self._sequences[request.request_id]
+                self._process_sample(sequence, result.sampler_output, row)
+                mark_first_token(parent.metrics)
+                touched[parent.request_id] = parent
+        return [self._emit(parent) for parent in touched.values()]
+
+    def _process_sample(self, sequence: Sequence, out: Any, row: int) -> None:
+        request = sequence.request
+        top = None
+        if out.top_ids is not None:
+            count = request.sampling_params.logprobs or 0
+            top = list(zip(out.top_ids[row][:count], out.top_logprobs[row][:count], strict=True))
+        logprob = (
+            out.logprobs[row]
+            if (out.logprobs is not None and request.sampling_params.logprobs is not None)
+            else None
+        )
+        rank = out.ranks[row] if out.ranks is not None else None
+        token_id = out.token_ids[row]
+        if self.output_processor.process_token(sequence, token_id, logprob, rank, top):
+            stop = sequence.detokenizer.stop_reason if sequence.detokenizer else None
+            if request.is_finished:
+                request.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(request, FinishReason.STOP)
+            request.stop_reason = stop
+
+    def _emit(self, parent: ParentRequest) -> RequestOutput:
+        if parent.finished:
+            parent.metrics.finished_time = time.time()
+            self._parents.pop(parent.request_id, None)
+            for sequence in parent.sequences:
+                self._sequences.pop(sequence.request.request_id, None)
+        return parent.to_output()
+
+    # ---- introspection ------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.kv_plan.num_blocks - 1

@@ -1,0 +1,134 @@
+"""Sampled ids -> text, logprobs, stop strings and `RequestOutput`s.
+
+A user request with `n > 1` fans out into n engine sequences; `ParentRequest` gathers them
+back into one `RequestOutput` whose `outputs[i]` is sequence i.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from forklift.engine.detokenizer import IncrementalDetokenizer
+from forklift.engine.request import FinishReason, Request
+from forklift.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from forklift.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One engine sequence plus what the caller sees of it."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+    def completion(self) -> CompletionOutput:
+        request = self.request
+        finished = request.is_finished
+        if self.detokenizer is None:
+            text = ""
+        else:
+            text = self.detokenizer.visible_text(finished)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    sequences: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.sequences],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+
+    def new_detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        params = request.sampling_params
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def process_token(
+        self,
+        sequence: Sequence,
+        token_id: int,
+        logprob: float | None,
+        rank: int | None,
+        top: list[tuple[int, float]] | None,
+    ) -> bool:
+        """Record one sampled token (already appended to the request). Returns True when a
+        stop string ends the sequence."""
+        request = sequence.request
+        if logprob is not None:
+            self._record_logprobs(sequence, token_id, logprob, rank or 1, top or [])
+        detok = sequence.detokenizer
+        if detok is None:
+            return False
+        stopped_on_token = request.is_finished and request.finish_reason == FinishReason.STOP
+        hit_stop = False
+        if not stopped_on_token:
+            hit_stop = detok.update([token_id])
+            # min_tokens holds stop strings back too, like EOS.
+            if hit_stop and request.num_output_tokens < request.sampling_params.min_tokens:
+                hit_stop = False
+        if request.is_finished or hit_stop:
+            detok.finalize()
+        return hit_stop
+
+    def _record_logprobs(
+        self,
+        sequence: Sequence,
+        token_id: int,
+        logprob: float,
+        rank: int,
+        top: list[tuple[int, float]],
+    ) -> None:
+        entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
+        for position, (tid, value) in enumerate(top, start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, position, self._token_text(tid))
+        if sequence.logprobs is None:
+            sequence.logprobs = []
+        sequence.logprobs.append(entry)
+        sequence.cumulative_logprob = (sequence.cumulative_logprob or 0.0) + logprob
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else None
+
+
+def mark_first_token(metrics: RequestMetrics) -> None:
+    if metrics.first_token_time is None:
+        metrics.first_token_time = time.time()

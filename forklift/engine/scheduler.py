@@ -1,0 +1,157 @@
+"""Continuous iteration-level batching under a token budget.
+
+Every step, running requests are served first (decodes and unfinished prefill chunks), then
+waiting requests are admitted while the token budget, `max_num_seqs` and free blocks allow.
+When a running request cannot get a block, the newest running request is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from forklift.engine.kv_cache_manager import KVCacheManager
+from forklift.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # num_computed_tokens before this step: the position of the first new token.
+    start: int
+    # True when this chunk reaches the end of the request's tokens, so it yields a token.
+    samples: bool = False
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return cls(request, num_new_tokens, start, start + num_new_tokens == request.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        # Admission order: the newest request is last and is the first to be preempted.
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(request, num_new, out):
+                break
+            out.scheduled.append(ScheduledRequest.of(request, num_new))
+            budget -= num_new
+            idx += 1
+        return budget
+
+    def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Reserve blocks for `request`, preempting the newest running requests if needed.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        total = request.num_computed_tokens + num_new
+        while not self.kv_cache.allocate_slots(request.request_id, total):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest.of(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
+        """Advance each scheduled request; return the ones that finished on a stop token or
+        length. `sampled_token_ids[i]` is None for chunks that do not sample."""
+        finished = []
+        for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            reason = request.check_stop_token()
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Finish a request wherever it is; frees its blocks. Finishing twice is a no-op."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,137 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from forklift.config import EngineConfig
+from forklift.engine.engine import LLMEngine, PromptType
+from forklift.outputs import RequestOutput
+from forklift.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+    `LLM(model=None)` loads the default model; every other keyword is an `EngineConfig` field
+    (unknown ones raise ValueError).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        conversations = _as_conversation_list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already placed any BOS token.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids})
+        params_list = _as_params_list(sampling_params, len(prompts))
+        outputs = self._run(prompts, params_list, use_tqdm)
+        for output, conversation in zip(outputs, conversations, strict=True):
+            output.prompt = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+            output.extra["messages"] = conversation
+        return outputs
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate every prompt before queueing any, so a bad one costs no work.
+        for prompt, p in zip(prompts, params, strict=True):
+            p.validate()
+            engine.validate_prompt(engine.tokenize_prompt(prompt)[1])
+        ids = [
+            engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params, strict=True)
+        ]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
+        start, generated = time.perf_counter(), 0
+        try:
+            while any(r is None for r in results):
+                for output in engine.step():
+                    if output.request_id in order and output.finished:
+                        results[order[output.request_id]] = output
+                        generated += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"output {generated / elapsed:.1f} tok/s")
+        except BaseException:
+            engine.abort_request([rid for rid, r in zip(ids, results, strict=True) if r is None])
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids or a list of them, not {prompts!r}")
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"got {len(params)} sampling_params for {count} prompts; give one or one per prompt"
+        )
+    return params
+
+
+def _as_conversation_list(
+    messages: Conversation | Sequence[Conversation],
+) -> list[Conversation]:
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    if all(isinstance(m, dict) for m in messages):
+        return [list(messages)]  # type: ignore[arg-type]
+    return [list(c) for c in messages]  # type: ignore[arg-type]

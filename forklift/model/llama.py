@@ -1,0 +1,215 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+
+The forward takes `[num_tokens]` ids from every scheduled sequence at once, with no padding;
+attention reaches each sequence's context through the paged KV cache. q/k/v and gate/up
+projections are fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
+from forklift.model.layers.norm import RMSNorm
+from forklift.model.layers.rotary import RotaryEmbedding
+from forklift.model.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        return self.o_proj(paged_attention(q, key_cache, value_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), positions, rotary, kv_cache, meta
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden] for a flat batch of tokens."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, only for the rows that sample."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _target_for(hf_name, self.config)
+            if target is None:
+                continue
+            name, row_offset = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            param = params[name]
+            rows = tensor.shape[0]
+            dest = param.data[row_offset : row_offset + rows] if row_offset >= 0 else param.data
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{name}@{row_offset}")
+        self._check_complete(loaded)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected = set()
+        for hf_name in _expected_hf_names(self.config):
+            name, offset = _target_for(hf_name, self.config) or ("", 0)
+            expected.add(f"{name}@{offset}")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _target_for(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
+    """HF parameter name -> (forklift parameter, row offset into it; -1 for the whole tensor)."""
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", -1
+    if hf_name == "model.norm.weight":
+        return "norm.weight", -1
+    if hf_name == "lm_head.weight":
+        return None if config.tie_word_embeddings else ("lm_head.weight", -1)
+    match = _LAYER_RE.fullmatch(hf_name)
+    if match is None:
+        return None  # e.g. rotary inv_freq buffers in older checkpoints
+    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    q, kv = config.q_size, config.kv_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", config.intermediate_size),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        fused_name, offset = fused[module]
+        return f"{prefix}{fused_name}.{kind}", offset
+    if rest.endswith("rotary_emb.inv_freq"):
+        return None
+    return prefix + rest, -1
+
+
+def _expected_hf_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
+    if config.qkv_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for i in range(config.num_layers):
+        names += [f"model.layers.{i}.{n}" for n in per_layer]
+    return names

@@ -1,0 +1,110 @@
+"""How much KV cache fits: the budget arithmetic and peak-memory measurement."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from forklift.model.model_config import ModelConfig
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V, every layer, every KV head: 2 * L * H_kv * d_head * bytes."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def total_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return psutil.virtual_memory().total
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Extra memory `fn` needs at its peak, above what was in use before it ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return _measure_cpu_peak(fn)
+
+
+def _measure_cpu_peak(fn: Callable[[], object]) -> int:
+    # The CPU allocator keeps no statistics: sample this process's resident size while fn runs.
+    process = psutil.Process(os.getpid())
+    before = process.memory_info().rss
+    peak = before
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process.memory_info().rss)
+            done.wait(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        watcher.join()
+    peak = max(peak, process.memory_info().rss)
+    return max(peak - before, 0)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+    # How the budget was derived, for the startup log.
+    source: str
+
+    @property
+    def token_capacity(self) -> int:
+        # Block 0 is the null block and holds no request's tokens.
+        return (self.num_blocks - 1) * self.block_size
+
+    def max_concurrency(self, max_model_len: int) -> float:
+        return self.token_capacity / max_model_len
+
+
+def plan_kv_cache(
+    *,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_cache_memory_bytes: int | None,
+    memory_utilization: float,
+    total_memory: int,
+    weight_bytes: int,
+    activation_peak_bytes: int,
+) -> KVCachePlan:
+    bytes_per_block = kv_bytes_per_token(model_config, dtype) * block_size
+    if kv_cache_memory_bytes is not None:
+        budget = kv_cache_memory_bytes
+        source = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    else:
+        budget = int(memory_utilization * total_memory) - weight_bytes - activation_peak_bytes
+        source = (
+            f"{memory_utilization:.2f} x {total_memory / 2**30:.1f} GiB - weights "
+            f"{weight_bytes / 2**30:.2f} GiB - activation peak "
+            f"{activation_peak_bytes / 2**30:.2f} GiB"
+        )
+    num_blocks = max(budget // bytes_per_block, 0)
+    return KVCachePlan(int(num_blocks), block_size, bytes_per_block, int(budget), source)

@@ -1,0 +1,237 @@
+"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from forklift.engine.scheduler import ScheduledRequest
+from forklift.model.layers.attention import AttentionMetadata
+from forklift.model.layers.rotary import RotaryEmbedding
+from forklift.model.llama import KVCache, LlamaForCausalLM
+from forklift.model.model_config import ModelConfig
+from forklift.runner.memory import (
+    KVCachePlan,
+    measure_peak_bytes,
+    module_bytes,
+    plan_kv_cache,
+    total_device_memory,
+)
+from forklift.sampling.metadata import SamplingBatch
+from forklift.sampling.sampler import SamplerOutput, sample
+
+logger = logging.getLogger("forklift")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    # Flat index of the last token of each sequence that samples this step.
+    sample_index: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    # Index into the scheduled list of each row of `sampler_output`.
+    sampled_items: list[int]
+    sampler_output: SamplerOutput | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        block_size: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.model = build_model(model_config, weights, device, dtype, max_model_len)
+        self.kv_caches: list[KVCache] = []
+
+    # ---- memory -------------------------------------------------------------------------
+    def plan_kv_cache(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        kv_cache_memory_bytes: int | None,
+        memory_utilization: float,
+    ) -> KVCachePlan:
+        peak = 0
+        if kv_cache_memory_bytes is None:
+            peak = measure_peak_bytes(
+                lambda: self._profile_forward(max_num_batched_tokens, max_num_seqs), self.device
+            )
+        return plan_kv_cache(
+            model_config=self.model_config,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            memory_utilization=memory_utilization,
+            total_memory=total_device_memory(self.device),
+            weight_bytes=module_bytes(self.model),
+            activation_peak_bytes=peak,
+        )
+
+    def _profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
+        """The largest step the scheduler can build: one full-budget prefill chunk, plus logits
+        and sampling for up to max_num_seqs rows."""
+        num_tokens = min(num_tokens, self.max_model_len)
+        blocks = -(-num_tokens // self.block_size) + 1
+        self.allocate_kv_cache(blocks)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        table = np.arange(1, blocks, dtype=np.int64)[None, :]
+        meta = build_attention_metadata(
+            np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            rows = min(max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[-rows:])
+            logits.sort(dim=-1)
+        self.kv_caches = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # torch.empty leaves pages untouched until a block is first written; only the null
+        # block, which pads every gather, must hold zeros.
+        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        cache[:, :, 0].zero_()
+        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+
+    # ---- one step -----------------------------------------------------------------------
+    def execute(
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+    ) -> StepResult:
+        inputs = self.prepare_inputs(scheduled, block_tables)
+        sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not sampled_items:
+                return StepResult([], None)
+            logits = self.model.compute_logits(hidden[inputs.sample_index])
+            batch = SamplingBatch.from_requests(
+                [scheduled[i].request for i in sampled_items], self.device
+            )
+            return StepResult(sampled_items, sample(logits, batch))
+
+    def prepare_inputs(
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+    ) -> StepInputs:
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        ids = np.concatenate(
+            [
+                np.asarray(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+                for s in scheduled
+            ]
+        )
+        width = max(len(t) for t in block_tables)
+        table = np.zeros((len(scheduled), width), dtype=np.int64)
+        for row, blocks in enumerate(block_tables):
+            table[row, : len(blocks)] = blocks
+        meta = build_attention_metadata(
+            starts, query_lens, table, self.block_size, self.sliding_window, self.device
+        )
+        offsets = np.arange(int(query_lens.sum())) - np.repeat(
+            np.cumsum(query_lens) - query_lens, query_lens
+        )
+        positions = np.repeat(starts, query_lens) + offsets
+        sampling = np.array([s.samples for s in scheduled], dtype=bool)
+        sample_index = (np.cumsum(query_lens) - 1)[sampling]
+        return StepInputs(
+            input_ids=torch.from_numpy(ids.astype(np.int64)).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            meta=meta,
+            sample_index=torch.from_numpy(sample_index).to(self.device),
+        )
+
+
+def build_attention_metadata(
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Index tensors for a batch where sequence s computes tokens [starts[s], starts[s] +
+    query_lens[s]) and attends to positions [0, starts[s] + query_lens[s])."""
+    num_seqs = len(starts)
+    num_tokens = int(query_lens.sum())
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    offset_in_seq = np.arange(num_tokens) - np.repeat(
+        np.cumsum(query_lens) - query_lens, query_lens
+    )
+    positions = starts[seq_of_token] + offset_in_seq
+    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + (
+        positions % block_size
+    )
+
+    max_q = int(query_lens.max())
+    query_index = np.full((num_seqs, max_q), num_tokens, dtype=np.int64)
+    query_index[seq_of_token, offset_in_seq] = np.arange(num_tokens)
+    output_index = seq_of_token * max_q + offset_in_seq
+
+    kv_lens = starts + query_lens
+    max_kv = int(kv_lens.max())
+    kv_pos = np.arange(max_kv)[None, :]
+    kv_valid = kv_pos < kv_lens[:, None]
+    block_of = np.minimum(kv_pos // block_size, block_table.shape[1] - 1)
+    kv_slots = (
+        block_table[np.arange(num_seqs)[:, None], block_of] * block_size + kv_pos % block_size
+    )
+    kv_slots = np.where(kv_valid, kv_slots, 0)
+
+    q_pos = starts[:, None] + np.arange(max_q)[None, :]  # [S, Q]
+    mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    if sliding_window is not None:
+        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+
+    def to_tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return AttentionMetadata(
+        slot_mapping=to_tensor(slot_mapping.astype(np.int64)),
+        query_index=to_tensor(query_index),
+        output_index=to_tensor(output_index.astype(np.int64)),
+        kv_slots=to_tensor(kv_slots.astype(np.int64)),
+        mask=to_tensor(mask[:, None, :, :]),
+    )
+
+
+def build_model(
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    # Build on the meta device so no time goes into random initialisation, then load.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(weights)
+    # Rotary tables stay float32 (they are recomputed here because meta held no values).
+    model.rotary = RotaryEmbedding(
+        config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+    ).to(device)
+    return model.eval()

@@ -1,0 +1,90 @@
+"""Per-row sampling settings of one step, gathered into tensors once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forklift.engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_p: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] int64; 0 = off
+    min_p: torch.Tensor  # [N] float32
+    repetition_penalty: torch.Tensor  # [N] float32
+    presence_penalty: torch.Tensor  # [N] float32
+    frequency_penalty: torch.Tensor  # [N] float32
+    seeds: torch.Tensor  # [N] int64
+    steps: torch.Tensor  # [N] int64: index of the token being sampled in the output
+    # Token ids (one list per row) that must not be sampled yet (min_tokens).
+    banned_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    num_logprobs: list[int | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    @property
+    def needs_top_k_top_p(self) -> bool:
+        return bool(((self.top_k > 0) | (self.top_p < 1)).any())
+
+    @property
+    def needs_min_p(self) -> bool:
+        return bool((self.min_p > 0).any())
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(
+            (
+                (self.repetition_penalty != 1)
+                | (self.presence_penalty != 0)
+                | (self.frequency_penalty != 0)
+            ).any()
+        )
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        asked = [n for n in self.num_logprobs if n is not None]
+        return max(asked) if asked else None
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            temperature=floats([p.temperature for p in params]),
+            top_p=floats([p.top_p for p in params]),
+            top_k=longs([max(p.top_k, 0) for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            seeds=longs([r.seed for r in requests]),
+            steps=longs([r.num_output_tokens for r in requests]),
+            banned_token_ids=[_banned_tokens(r) for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _banned_tokens(request: Request) -> list[int]:
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= request.eos_token_ids
+    return sorted(banned)

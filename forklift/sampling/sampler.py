@@ -1,0 +1,140 @@
+"""Logits -> token ids, vectorised over the batch.
+
+Random choices use the Gumbel-max trick with noise computed by a counter-based hash of
+(seed, output step, token id): a request's draws depend only on its own seed and position,
+never on what else shares the batch, and a preempted request that is recomputed draws the
+same tokens again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forklift.sampling.metadata import SamplingBatch
+
+_MASK_63 = (1 << 63) - 1
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Raw-distribution logprob of each sampled token and its rank (1 = most likely).
+    logprobs: list[float] | None
+    ranks: list[int] | None
+    # Top-N (ids, logprobs) per row, N = the largest `logprobs` asked for in the batch.
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [N, vocab] float32."""
+    num_logprobs = batch.max_num_logprobs
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
+    logits = _ban_tokens(logits, batch.banned_token_ids)
+    if batch.needs_penalties:
+        logits = apply_penalties(logits, batch)
+    token_ids = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        token_ids = torch.where(batch.temperature == 0, token_ids, _sample_random(logits, batch))
+    out = SamplerOutput(token_ids.tolist(), None, None, None, None)
+    if raw_logprobs is not None and num_logprobs is not None:
+        _attach_logprobs(out, raw_logprobs, token_ids, num_logprobs)
+    return out
+
+
+def _ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    rows = [i for i, ids in enumerate(banned) for t in ids if t < vocab]
+    if not rows:
+        return logits
+    cols = [t for ids in banned for t in ids if t < vocab]
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[N, vocab] occurrence counts, built with one scatter over a padded id matrix."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
+    for row, tokens in enumerate(token_lists):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[1]
+    output_counts = _token_counts(batch.output_token_ids, vocab, logits.device)
+    prompt_seen = _token_counts(batch.prompt_token_ids, vocab, logits.device) > 0
+    seen = prompt_seen | (output_counts > 0)
+    rep = batch.repetition_penalty[:, None]
+    # Repetition penalty (CTRL-style) over prompt and output: shrink toward "less likely".
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    # OpenAI-style presence and frequency penalties over the output only.
+    logits = logits - batch.frequency_penalty[:, None] * output_counts
+    return logits - batch.presence_penalty[:, None] * (output_counts > 0).float()
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    if batch.needs_top_k_top_p:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.needs_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    gumbel = -torch.log(-torch.log(hashed_uniform(batch.seeds, batch.steps, logits.shape[1])))
+    return (logits + gumbel).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform(0, 1) noise [N, vocab] from a stateless hash of (seed, step, token id)."""
+    token = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
+    # Constants above 2**63 are written as their negative int64 twins.
+    x = (seeds[:, None] * 0x2545F4914F6CDD1D) ^ (steps[:, None] * -0x61C8864680B583EB)
+    x = x + token * 0x632BE59BD9B4E019
+    # splitmix64 finaliser; int64 arithmetic wraps, and shifts are made logical by masking.
+    x = (x ^ _logical_shift(x, 30)) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+    x = (x ^ _logical_shift(x, 27)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+    x = x ^ _logical_shift(x, 31)
+    bits = _logical_shift(x, 40)  # top 24 bits
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _attach_logprobs(
+    out: SamplerOutput, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num: int
+) -> None:
+    chosen = raw_logprobs.gather(1, token_ids[:, None])
+    out.logprobs = chosen[:, 0].tolist()
+    out.ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    if num > 0:
+        values, ids = raw_logprobs.topk(num, dim=-1)
+        out.top_ids = ids.tolist()
+        out.top_logprobs = values.tolist()

@@ -1,0 +1,109 @@
+"""Per-request sampling settings, shaped like vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    `temperature=0` means greedy. `logprobs=N` returns the sampled token's logprob plus the top N
+    of the model's raw distribution (before temperature and penalties).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be >= 0, got {self.min_tokens}",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be an integer in [0, 20], got {self.logprobs}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a list of non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative token ids",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {message}")

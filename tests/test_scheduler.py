@@ -1,0 +1,173 @@
+"""Scheduler behaviour with no model: token budgets, chunking, preemption, abort."""
+
+from forklift.engine.kv_cache_manager import KVCacheManager
+from forklift.engine.request import FinishReason, Request, RequestStatus
+from forklift.engine.scheduler import Scheduler
+from forklift.sampling_params import SamplingParams
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        seed=0,
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({0}),
+    )
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    out = scheduler.schedule()
+    sampled = [token if s.samples else None for s in out.scheduled]
+    finished = scheduler.update(out, sampled)
+    return out, finished
+
+
+def test_decodes_and_new_prefills_share_a_step():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 10))
+    out, _ = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
+    sched.add_request(make_request("b", 5))
+    out, _ = run_step(sched)
+    # "a" decodes one token while "b" is prefilled in the same step.
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 1),
+        ("b", 5),
+    ]
+    assert all(s.samples for s in out.scheduled)
+
+
+def test_long_prompt_is_chunked_within_the_budget():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+    request = make_request("long", 40)
+    sched.add_request(request)
+    chunks = []
+    while request.num_output_tokens == 0:
+        out, _ = run_step(sched)
+        chunks.append((out.scheduled[0].num_new_tokens, out.scheduled[0].samples))
+    assert chunks == [(16, False), (16, False), (8, True)]
+    assert request.num_computed_tokens == 40
+
+
+def test_budget_is_never_exceeded_and_running_go_first():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", 7))
+    for _ in range(30):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = run_step(sched)
+        assert out.num_batched_tokens <= 12
+        assert len(sched.running) <= 4
+    assert not sched.has_unfinished_requests()
+    assert kv.num_free_blocks == 255
+
+
+def test_max_num_seqs_limits_admission():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 3))
+    out, _ = run_step(sched)
+    assert len(out.scheduled) == 2
+    assert sched.num_waiting == 1
+
+
+def test_newest_request_is_preempted_and_requeued_first():
+    # 4 usable blocks of 2 tokens: two 3-token prompts take 2 blocks each.
+    kv = KVCacheManager(num_blocks=5, block_size=2)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    # 3 + 5 tokens: the last one is never cached, so one request alone fits in 4 blocks.
+    old, new = make_request("old", 3, max_tokens=5), make_request("new", 3, max_tokens=5)
+    sched.add_request(old)
+    sched.add_request(new)
+    run_step(sched)  # both prefilled: 3 tokens cached each, in 2 blocks
+    run_step(sched)  # position 3 still fits the second block
+    out, _ = run_step(sched)  # position 4 needs a third block each: only 0 are free
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert new.status == RequestStatus.PREEMPTED
+    assert new.num_computed_tokens == 0
+    assert new.num_preemptions == 1
+    assert list(sched.waiting) == [new]
+    assert [s.request.request_id for s in out.scheduled] == ["old"]
+    # The preempted request keeps its output and resumes once there is room again.
+    assert new.num_output_tokens == 2
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert old.finish_reason == FinishReason.LENGTH
+    assert new.finish_reason == FinishReason.LENGTH
+    assert new.num_output_tokens == 5
+    assert kv.num_free_blocks == 4
+
+
+def test_request_that_cannot_grow_preempts_itself_when_alone_is_impossible():
+    kv = KVCacheManager(num_blocks=3, block_size=2)  # 2 usable blocks
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 2, max_tokens=2), make_request("b", 2, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = run_step(sched)
+    assert len(out.scheduled) == 2
+    # Next step each needs a second block; b (newest) is preempted so a can continue.
+    out, finished = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert finished == [a]
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert b.finish_reason == FinishReason.LENGTH
+    assert kv.num_free_blocks == 2
+
+
+def test_eos_finishes_and_frees():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    request = make_request("a", 5)
+    sched.add_request(request)
+    _, finished = run_step(sched, token=0)  # 0 is EOS
+    assert finished == [request]
+    assert request.finish_reason == FinishReason.STOP
+    assert kv.num_free_blocks == 15
+
+
+def test_min_tokens_defers_eos():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    request = make_request("a", 5)
+    request.sampling_params = SamplingParams(max_tokens=8, min_tokens=3)
+    sched.add_request(request)
+    finished = []
+    while not finished:
+        _, finished = run_step(sched, token=0)
+    assert request.num_output_tokens == 3
+
+
+def test_abort_frees_blocks_in_every_state():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    running, waiting = make_request("run", 6), make_request("wait", 6)
+    sched.add_request(running)
+    sched.add_request(waiting)
+    run_step(sched)
+    assert running.status == RequestStatus.RUNNING
+    sched.finish(running, FinishReason.ABORT)
+    sched.finish(waiting, FinishReason.ABORT)
+    sched.finish(waiting, FinishReason.ABORT)  # twice is harmless
+    assert not sched.has_unfinished_requests()
+    assert kv.num_free_blocks == 15
+    assert running.finish_reason == FinishReason.ABORT
+
+
+def test_update_skips_requests_aborted_during_the_step():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    request = make_request("a", 4)
+    sched.add_request(request)
+    out = sched.schedule()
+    sched.finish(request, FinishReason.ABORT)
+    sched.update(out, [5])
+    assert request.output_token_ids == []

@@ -1,0 +1,112 @@
+"""Tiny random models of every supported architecture, saved the way HF saves them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 256
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    # Wide weights give peaked distributions, so greedy choices are not near-ties.
+    initializer_range=0.25,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 24, "head_dim": 16},
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"tie_word_embeddings": True},
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        {"head_dim": 32, "tie_word_embeddings": False},
+    ),
+}
+
+
+@dataclass
+class TinyModel:
+    path: Path
+    hf_model: torch.nn.Module
+
+
+def word_level_tokenizer(vocab_size: int) -> Tokenizer:
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> TinyModel:
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = config_cls(**{**_COMMON, **extra})
+    if arch == "qwen2":
+        config.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    # Qwen2's q/k/v biases start at zero; give them values so the bias path is exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    # The oracle never stops early; forklift runs with ignore_eos to match.
+    model.generation_config.eos_token_id = None
+    word_level_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+    return TinyModel(directory, model)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
+    """HF transformers' greedy continuation and each chosen token's logprob."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), dim=-1)[tok].item()
+        for step, tok in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
