@@ -109,7 +109,9 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         if prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
-    raise ValueError(f"prompts must be a string, token ids or a list of them, not {prompts!r}")
+    raise ValueError(
+        f"prompt must be a string, a list of token ids, or a list of those; got {prompts!r}"
+    )
 
 
 def _as_params_list(

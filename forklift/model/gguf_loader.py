@@ -46,6 +46,23 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
+class _PlainArrayReader(gguf.GGUFReader):
+    """GGUFReader that parses through a plain ndarray view of its memory map.
+
+    Slicing an `np.memmap` goes through Python-level subclass hooks; the metadata of a
+    model with a 49k-token vocabulary takes hundreds of thousands of slices, so a plain
+    view of the same mapped buffer parses it about 3x faster.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain_data = mapped.view(np.ndarray)
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """Open and validate a GGUF file; every failure is a `ValueError` naming the file."""
     path = Path(path)
@@ -55,7 +72,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         raise ValueError(f"GGUF path {path} is not a file")
     _check_magic(path)
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _PlainArrayReader(path)
     except Exception as exc:  # the reader fails with assorted numpy/enum/key errors
         raise ValueError(f"GGUF file {path} is truncated or corrupt: {exc}") from exc
     _check_tensor_extents(path, reader)
