@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import VOCAB, make_tiny_model
 
 from forklift import LLM, LLMEngine, SamplingParams
-from tiny_models import VOCAB, make_tiny_model
 
 # 2 layers x 2 KV heads x head_dim 16 x fp32, K and V, 4-token blocks.
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_models import hf_greedy
 
 from forklift import SamplingParams
 from forklift.model.model_source import iter_model_weights, load_model_config
-from tiny_models import hf_greedy
 
 PROMPTS = [
     "What is the capital of France?",

@@ -1,0 +1,5 @@
+import sys
+
+from forklift.cli import main
+
+sys.exit(main())

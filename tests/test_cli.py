@@ -1,0 +1,73 @@
+"""The command line on the default model."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from forklift.chat_session import run_chat
+from forklift.config import EngineConfig
+from forklift.sampling_params import SamplingParams
+
+SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 2**20)]
+
+
+def forklift_command() -> list[str]:
+    script = Path(sys.executable).with_name("forklift")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("forklift")
+    return [found] if found else [sys.executable, "-m", "forklift"]
+
+
+def test_generate_answers_paris():
+    result = subprocess.run(
+        [
+            *forklift_command(),
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+            *SMALL_ENGINE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    # The startup log reports the KV cache.
+    assert "KV cache:" in result.stderr
+
+
+def test_generate_reports_bad_input_without_a_traceback():
+    result = subprocess.run(
+        [*forklift_command(), "generate", "--prompt", "hi", "--top-p", "3", *SMALL_ENGINE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "top_p" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_streams_replies_and_keeps_history(default_source):
+    stdin = io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n")
+    stdout = io.StringIO()
+    config = EngineConfig(
+        model=str(default_source.path), max_model_len=512, kv_cache_memory_bytes=64 * 2**20
+    )
+    code = run_chat(
+        config, lambda: SamplingParams(temperature=0, max_tokens=24), None, stdin, stdout
+    )
+    assert code == 0
+    transcript = stdout.getvalue()
+    assert "Paris" in transcript
+    assert "Rome" in transcript

@@ -1,0 +1,126 @@
+"""The sampler on hand-made logits: filters, penalties, seeded noise, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forklift.engine.request import Request
+from forklift.sampling.metadata import SamplingBatch
+from forklift.sampling.sampler import apply_penalties, hashed_uniform, sample
+from forklift.sampling_params import SamplingParams
+
+
+def batch_for(
+    params: list[SamplingParams], outputs=None, prompts=None, seeds=None
+) -> SamplingBatch:
+    requests = []
+    for i, p in enumerate(params):
+        request = Request(
+            request_id=str(i),
+            prompt_token_ids=(prompts or [[0]] * len(params))[i],
+            sampling_params=p,
+            seed=(seeds or list(range(len(params))))[i],
+            max_tokens=100,
+            eos_token_ids=frozenset({0}),
+        )
+        for t in (outputs or [[]] * len(params))[i]:
+            request.append_output_token(t)
+        requests.append(request)
+    return SamplingBatch.from_requests(requests, torch.device("cpu"))
+
+
+def test_hashed_noise_is_uniform_and_depends_only_on_seed_and_step():
+    seeds = torch.tensor([1, 2, 1], dtype=torch.int64)
+    steps = torch.tensor([0, 0, 1], dtype=torch.int64)
+    u = hashed_uniform(seeds, steps, 50_000)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert u.mean().item() == pytest.approx(0.5, abs=0.01)
+    assert u.std().item() == pytest.approx(math.sqrt(1 / 12), abs=0.01)
+    # Rows differ by seed and by step, and a row is the same whatever shares its batch.
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    alone = hashed_uniform(seeds[:1], steps[:1], 50_000)
+    assert torch.equal(alone[0], u[0])
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 0.0]])
+    out = sample(logits, batch_for([SamplingParams(temperature=0)] * 2))
+    assert out.token_ids == [1, 0]
+
+
+def test_narrow_filters_reduce_sampling_to_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 100)
+    params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ] * 2
+    out = sample(logits, batch_for(params, seeds=[11, 12, 13, 14, 15, 16]))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    out = sample(logits, batch_for(params, seeds=list(range(4000))))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / 4000
+    assert counts.tolist() == pytest.approx(probs.tolist(), abs=0.03)
+
+
+def test_top_k_and_top_p_keep_only_the_head():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(500, 1)
+    top_k = sample(logits, batch_for([SamplingParams(temperature=5.0, top_k=2)] * 500))
+    assert set(top_k.token_ids) == {0, 1}
+    # softmax([4,3,2,1,0]) = [.64, .24, .09, ...]: top_p 0.8 keeps the first two.
+    top_p = sample(logits, batch_for([SamplingParams(temperature=1.0, top_p=0.8)] * 500))
+    assert set(top_p.token_ids) == {0, 1}
+
+
+def test_temperature_flattens_the_distribution():
+    logits = torch.tensor([[2.0, 0.0]]).repeat(3000, 1)
+    cold = sample(logits, batch_for([SamplingParams(temperature=0.5)] * 3000))
+    hot = sample(logits, batch_for([SamplingParams(temperature=4.0)] * 3000))
+    p_cold = 1 - sum(cold.token_ids) / 3000
+    p_hot = 1 - sum(hot.token_ids) / 3000
+    assert p_cold == pytest.approx(1 / (1 + math.exp(-4)), abs=0.03)
+    assert p_hot == pytest.approx(1 / (1 + math.exp(-0.5)), abs=0.03)
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    batch = batch_for([params], outputs=[[2, 2, 3]], prompts=[[1]])
+    out = apply_penalties(logits, batch)
+    expected = [
+        2.0,  # never seen
+        -1.0 * 2.0,  # in the prompt: negative logits are multiplied
+        3.0 / 2.0 - 0.5 - 0.25 * 2,  # twice in the output
+        0.5 / 2.0 - 0.5 - 0.25 * 1,  # once in the output
+    ]
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_min_tokens_bans_eos_and_stop_tokens():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 0.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    assert sample(logits, batch_for([params])).token_ids == [1]
+    # Once min_tokens outputs exist, EOS (id 0) may be chosen again.
+    assert sample(logits, batch_for([params], outputs=[[1, 1]])).token_ids == [0]
+
+
+def test_logprobs_are_from_the_raw_distribution_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.5, 0.0]])
+    params = SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0)
+    out = sample(logits, batch_for([params], outputs=[[1]]))
+    raw = torch.log_softmax(logits, dim=-1)[0]
+    # The penalty (3 / 2 = 1.5) moves the choice to token 2, the raw distribution's second.
+    assert out.token_ids == [2]
+    assert out.logprobs[0] == pytest.approx(raw[2].item())
+    assert out.ranks[0] == 2
+    assert out.top_ids[0] == [1, 2]
+    assert out.top_logprobs[0] == pytest.approx([raw[1].item(), raw[2].item()])
