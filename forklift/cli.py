@@ -1,4 +1,4 @@
-"""`forklift generate | chat`: the command line."""
+"""`forklift generate | chat | serve | tokenizer export`: the command line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from forklift.config import EngineConfig
@@ -103,6 +104,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(engine_config, lambda: sampling_params_from_args(args), args.system)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from forklift.server.serve import serve
+
+    return serve(
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+
+
+def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    from forklift.model.model_source import resolve_model
+    from forklift.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer to export")
+    directory = Path(args.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(directory)
+    print(f"wrote the tokenizer to {directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forklift", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -123,6 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 when this many requests already wait",
+    )
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    tok = sub.add_parser("tokenizer", help="tokenizer tools")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    export = tok_sub.add_parser("export", help="write tokenizer.json + tokenizer_config.json")
+    export.add_argument("directory")
+    export.add_argument("--model", default=None)
+    export.set_defaults(func=cmd_tokenizer_export)
     return parser
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,22 @@ _SEQUENCE_SEED_STRIDE = 0x9E3779B97F4A7C1
 
 
 PromptType = str | list[int] | dict[str, Any]
+
+# Step records kept for inspection (tests, debugging); older ones are dropped.
+_STEP_LOG_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step ran: which requests, how many tokens, how long it took."""
+
+    index: int
+    start_time: float
+    duration_s: float
+    request_ids: tuple[str, ...]
+    num_batched_tokens: int
+    num_sampled: int
+    num_preempted: int
 
 
 class LLMEngine:
@@ -72,6 +90,8 @@ class LLMEngine:
         self._sequences: dict[str, tuple[ParentRequest, Sequence]] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG_SIZE)
+        self._num_steps = 0
         self._log_startup(source.path)
 
     @classmethod
@@ -240,6 +260,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         now = time.time()
+        started = time.perf_counter()
         for item in sched.scheduled:
             parent, _ = self._sequences[item.request.request_id]
             if parent.metrics.first_scheduled_time is None:
@@ -259,7 +280,30 @@ class LLMEngine:
                 self._process_sample(sequence, result.sampler_output, row)
                 mark_first_token(parent.metrics)
                 touched[parent.request_id] = parent
+        self._record_step(sched, now, time.perf_counter() - started, len(result.sampled_items))
         return [self._emit(parent) for parent in touched.values()]
+
+    def _record_step(self, sched: Any, start: float, duration: float, sampled: int) -> None:
+        self._num_steps += 1
+        ids = tuple(
+            dict.fromkeys(
+                self._sequences[s.request.request_id][0].request_id
+                if s.request.request_id in self._sequences
+                else s.request.request_id
+                for s in sched.scheduled
+            )
+        )
+        self.step_log.append(
+            StepRecord(
+                self._num_steps,
+                start,
+                duration,
+                ids,
+                sched.num_batched_tokens,
+                sampled,
+                len(sched.preempted),
+            )
+        )
 
     def _process_sample(self, sequence: Sequence, out: Any, row: int) -> None:
         request = sequence.request

@@ -37,7 +37,7 @@ class Sequence:
             text=text,
             token_ids=list(request.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
         )

@@ -1,0 +1,193 @@
+"""AsyncEngine: one background thread steps the engine; asyncio callers get per-request streams.
+
+The engine is not thread-safe, so only the engine thread touches it: callers enqueue "add"
+and "abort" commands, which the thread applies between steps. Outputs travel back to each
+caller's asyncio queue through its event loop. Torch releases the GIL inside its kernels, so
+the HTTP event loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from forklift.engine.engine import LLMEngine, PromptType
+from forklift.outputs import RequestOutput
+from forklift.sampling_params import SamplingParams
+
+logger = logging.getLogger("forklift")
+
+
+class EngineOverloadedError(Exception):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an internal error."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int | None = None,
+        on_step: StepObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step
+        self._commands: deque[_Add | _Abort] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._counter = 0
+        self._thread = threading.Thread(target=self._run, name="forklift-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop) -----------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        with self._lock:
+            self._counter += 1
+            return f"{prefix}-{self._counter}"
+
+    def validate(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """Check a request before queueing it (read-only: safe off the engine thread)."""
+        params.validate()
+        _, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate_prompt(ids)
+        return ids
+
+    def num_pending(self) -> int:
+        """Requests accepted but not yet running: queued commands plus the engine's queue."""
+        with self._lock:
+            queued = sum(isinstance(c, _Add) for c in self._commands)
+        return queued + self.engine.scheduler.num_waiting
+
+    def admit(self, count: int) -> None:
+        """Raise if `count` more requests cannot be accepted now."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_pending() + count > limit:
+            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request; leaving early aborts it in the engine.
+
+        Call `admit` first: this generator only starts work when first iterated."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._streams[request_id] = stream
+            self._commands.append(_Add(request_id, prompt, params, arrival_time))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._commands.append(_Abort(request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._deliver(outputs)
+                if self._on_step is not None:
+                    self._on_step(self.engine, outputs)
+        except BaseException as exc:  # surface the failure to every waiting caller
+            logger.exception("engine loop failed")
+            self._error = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                command = self._commands.popleft()
+                stream = self._streams.get(command.request_id)
+            if isinstance(command, _Abort):
+                aborted = self.engine.abort_request(command.request_id)
+                if aborted and self._on_step is not None:
+                    self._on_step(self.engine, aborted)
+                continue
+            if stream is None:  # the caller left before its request was queued
+                continue
+            try:
+                self.engine.add_request(
+                    command.request_id, command.prompt, command.params, command.arrival_time
+                )
+            except ValueError as exc:
+                stream.put(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, output in targets:
+            if stream is not None:
+                stream.put(output)

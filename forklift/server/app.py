@@ -1,0 +1,158 @@
+"""The FastAPI application: routes, API-key check, errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forklift import __version__
+from forklift.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from forklift.engine.engine import LLMEngine
+from forklift.server.chat import chat_prompt_ids, create_chat_completion
+from forklift.server.completions import create_completion
+from forklift.server.errors import APIError, error_response
+from forklift.server.metrics import ServerMetrics
+from forklift.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from forklift.server.serving import ServerContext
+
+
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+) -> FastAPI:
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, max_waiting_requests, on_step=metrics.observe_step)
+    ctx = ServerContext(async_engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="forklift", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    if api_key is not None:
+        _install_api_key_check(app, api_key)
+    _add_routes(app, ctx, metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
+    engine = ctx.async_engine.engine
+
+    def respond(result: Response | None) -> Response:
+        # None: the client left, so nobody reads this; 499 is the conventional status.
+        return result if result is not None else Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return respond(await create_completion(ctx, body, request.is_disconnected))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return respond(await create_chat_completion(ctx, body, request.is_disconnected))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "forklift",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            tokens = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        ctx.check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = location[0] if location else None
+        where = ".".join(location)
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return error_response(503, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(500, str(exc))
+
+
+def _install_api_key_check(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "invalid API key")
+        return await call_next(request)

@@ -1,0 +1,183 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from forklift.outputs import CompletionOutput, RequestOutput
+from forklift.server.errors import APIError, bad_request
+from forklift.server.protocol import ChatCompletionRequest, ChatMessage
+from forklift.server.serving import (
+    ChoiceProgress,
+    Launch,
+    ServerContext,
+    launch,
+    make_params,
+    usage,
+)
+from forklift.server.streams import collect_unless_disconnected, sse
+
+
+def chat_prompt_ids(
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    tokenizer = ctx.tokenizer
+    if not messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(
+    ctx: ServerContext,
+    body: ChatCompletionRequest,
+    is_disconnected: Callable[[], Awaitable[bool]],
+) -> JSONResponse | StreamingResponse | None:
+    ctx.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+        raise bad_request(ValueError("SamplingParams.max_tokens must be at least 1"))
+    params = make_params(body.sampling_params, max_tokens, logprobs)
+    prompt = chat_prompt_ids(
+        ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+    )
+    run = launch(ctx, "chatcmpl", [prompt], params)
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
+    finals = await collect_unless_disconnected(run.stream, is_disconnected)
+    if finals is None:
+        return None
+    output = finals[0]
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": _logprob_content(c, 0, body.top_logprobs or 0)}
+            if body.logprobs
+            else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in output.outputs
+    ]
+    return JSONResponse(
+        {
+            "id": run.response_id,
+            "object": "chat.completion",
+            "created": run.created,
+            "model": ctx.served_model_name,
+            "choices": choices,
+            "usage": usage(run.prompt_ids, [output]),
+        }
+    )
+
+
+async def _stream(
+    ctx: ServerContext, body: ChatCompletionRequest, run: Launch
+) -> AsyncIterator[str]:
+    progress: dict[int, ChoiceProgress] = {}
+    final: RequestOutput | None = None
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return sse(
+            {
+                "id": run.response_id,
+                "object": "chat.completion.chunk",
+                "created": run.created,
+                "model": ctx.served_model_name,
+                "choices": [choice],
+            }
+        )
+
+    async for _, output in run.stream:
+        if output.finished:
+            final = output
+        for completion in output.outputs:
+            state = progress.setdefault(completion.index, ChoiceProgress())
+            if not state.started:
+                state.started = True
+                yield chunk(
+                    {
+                        "index": completion.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            choice = _delta_choice(body, completion, state)
+            if choice is not None:
+                yield chunk(choice)
+    if body.include_usage:
+        yield sse(
+            {
+                "id": run.response_id,
+                "object": "chat.completion.chunk",
+                "created": run.created,
+                "model": ctx.served_model_name,
+                "choices": [],
+                "usage": usage(run.prompt_ids, [final]),
+            }
+        )
+    yield sse("[DONE]")
+
+
+def _delta_choice(
+    body: ChatCompletionRequest, completion: CompletionOutput, state: ChoiceProgress
+) -> dict[str, Any] | None:
+    if state.finished:
+        return None
+    text = completion.text[state.text_len :]
+    finish = completion.finish_reason
+    if not text and finish is None:
+        return None
+    logprobs = None
+    if body.logprobs:
+        content = _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
+        logprobs = {"content": content}
+    state.text_len = len(completion.text)
+    state.num_tokens = len(completion.token_ids)
+    state.finished = finish is not None
+    return {
+        "index": completion.index,
+        "delta": {"content": text} if text else {},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def _logprob_content(completion: CompletionOutput, start: int, top_n: int) -> list[dict[str, Any]]:
+    entries = completion.logprobs or []
+    content = []
+    for position in range(start, min(len(completion.token_ids), len(entries))):
+        entry = entries[position]
+        chosen = entry[completion.token_ids[position]]
+        # The entry holds the sampled token plus the top N; the sampled one may rank lower.
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_n), key=lambda lp: lp.rank)
+        content.append(
+            {
+                **_token_fields(chosen.decoded_token, chosen.logprob),
+                "top_logprobs": [_token_fields(lp.decoded_token, lp.logprob) for lp in top],
+            }
+        )
+    return content
+
+
+def _token_fields(token: str | None, logprob: float) -> dict[str, Any]:
+    text = token or ""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,55 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    503: "server_overloaded",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.headers)
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A ValueError from validation -> 400, with the field it names as `param`."""
+    message = str(exc)
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+    return APIError(HTTPStatus.BAD_REQUEST, message, param)

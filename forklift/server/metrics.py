@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server, in a registry of its own."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from forklift.engine.engine import LLMEngine
+from forklift.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+
+@dataclass
+class _Progress:
+    tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass
+class ServerMetrics:
+    """Updated from the engine thread after every step; rendered on GET /metrics."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    _progress: dict[str, _Progress] = field(default_factory=dict)
+    _seen_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.running = Gauge("forklift:num_requests_running", "Requests in the batch", registry=r)
+        self.waiting = Gauge("forklift:num_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge(
+            "forklift:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "forklift:prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "forklift:generation_tokens", "Generated tokens", registry=r
+        )
+        self.preemptions = Counter("forklift:num_preemptions", "Preemptions", registry=r)
+        self.finished = Counter(
+            "forklift:request_success",
+            "Finished requests by reason",
+            ["finished_reason"],
+            registry=r,
+        )
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.ttft = histogram("forklift:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("forklift:inter_token_latency_seconds", "Time between tokens")
+        self.e2e = histogram("forklift:e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = histogram("forklift:request_queue_time_seconds", "Arrival to first step")
+
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        scheduler = engine.scheduler
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(engine.kv_cache.usage())
+        new_preemptions = scheduler.num_preemptions - self._seen_preemptions
+        if new_preemptions:
+            self.preemptions.inc(new_preemptions)
+            self._seen_preemptions = scheduler.num_preemptions
+        now = time.time()
+        for output in outputs:
+            self._observe_output(output, now)
+
+    def _observe_output(self, output: RequestOutput, now: float) -> None:
+        progress = self._progress.setdefault(output.request_id, _Progress())
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        new = tokens - progress.tokens
+        if new > 0:
+            self.generation_tokens.inc(new)
+            if progress.last_token_time is None:
+                if output.metrics is not None:
+                    self.ttft.observe(now - output.metrics.arrival_time)
+            else:
+                self.itl.observe((now - progress.last_token_time) / new)
+            progress.tokens, progress.last_token_time = tokens, now
+        if output.finished:
+            self.observe_finished(output, now)
+
+    def observe_finished(self, output: RequestOutput, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._progress.pop(output.request_id, None)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self.finished.labels(finished_reason=completion.finish_reason or "abort").inc()
+        metrics = output.metrics
+        if metrics is not None:
+            self.e2e.observe(now - metrics.arrival_time)
+            if metrics.first_scheduled_time is not None:
+                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""What completions and chat share: model check, request launch, usage, timestamps."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from forklift.engine.async_engine import AsyncEngine
+from forklift.outputs import RequestOutput
+from forklift.sampling_params import SamplingParams
+from forklift.server.errors import APIError, bad_request
+from forklift.server.streams import merge_streams
+
+
+@dataclass
+class ServerContext:
+    async_engine: AsyncEngine
+    served_model_name: str
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - forklift.tokenizer.Tokenizer
+        tokenizer = self.async_engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send prompts as token ids")
+        return tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                400,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.served_model_name}`.",
+                "model",
+            )
+
+
+@dataclass
+class Launch:
+    """The running requests of one API call (one per prompt)."""
+
+    response_id: str
+    created: int
+    prompt_ids: list[list[int]]
+    stream: AsyncIterator[tuple[int, RequestOutput]]
+
+
+def launch(
+    ctx: ServerContext, prefix: str, prompts: list[list[int]], params: SamplingParams
+) -> Launch:
+    """Validate every prompt first, then start them all; a bad one starts none."""
+    engine = ctx.async_engine
+    try:
+        ids = [engine.validate({"prompt_token_ids": p}, params) for p in prompts]
+    except ValueError as exc:
+        raise bad_request(exc) from exc
+    engine.admit(len(ids))
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    arrival = time.time()
+    streams = [
+        engine.generate({"prompt_token_ids": p}, params, f"{response_id}-{i}", arrival)
+        for i, p in enumerate(ids)
+    ]
+    return Launch(response_id, int(arrival), ids, merge_streams(streams))
+
+
+def make_params(build: object, *args: object) -> SamplingParams:
+    try:
+        return build(*args)  # type: ignore[operator]
+    except ValueError as exc:
+        raise bad_request(exc) from exc
+
+
+def usage(prompt_ids: list[list[int]], finals: list[RequestOutput | None]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompt_ids)
+    completion_tokens = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of one choice has been streamed so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False

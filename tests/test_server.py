@@ -1,0 +1,295 @@
+"""The OpenAI-compatible server on the default model, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from forklift import SamplingParams
+from forklift.config import EngineConfig
+from forklift.engine.engine import LLMEngine
+from forklift.server.app import build_app
+from server_harness import running_server, wait_until_idle
+
+MODEL = "smol"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(default_source):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(default_source.path),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=64 * 2**20,
+            max_num_batched_tokens=512,
+        )
+    )
+    app = build_app(engine, MODEL)
+    with running_server(app) as url:
+        yield url, engine, app
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def async_client(server):
+    return openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_non_streaming_matches_offline_greedy(client, server, default_llm_fp32):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24
+    )
+    offline = default_llm_fp32.chat(
+        QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )[0]
+    choice = reply.choices[0]
+    assert choice.message.content == offline.outputs[0].text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == offline.outputs[0].finish_reason
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert reply.usage.completion_tokens == len(offline.outputs[0].token_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.object == "chat.completion"
+
+
+def test_completion_streaming_equals_non_streaming(client, default_llm_fp32):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12)
+    whole = client.completions.create(**kwargs)
+    offline = default_llm_fp32.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )[0].outputs[0]
+    assert whole.choices[0].text == offline.text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completion_prompt_forms_echo_and_logprobs(client, server):
+    url = server[0]
+    ids = httpx.post(url + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4)
+    by_text = client.completions.create(
+        model=MODEL, prompt="Hello there", temperature=0, max_tokens=4, echo=True, logprobs=2
+    )
+    assert by_text.choices[0].text == "Hello there" + by_ids.choices[0].text
+    lp = by_text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    many = client.completions.create(
+        model=MODEL, prompt=["One", "Two"], n=2, temperature=0.8, seed=3, max_tokens=3
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    assert many.usage.completion_tokens == 12
+
+
+def test_chat_streaming_with_n_and_logprobs(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            n=2,
+            temperature=0.7,
+            seed=11,
+            max_completion_tokens=10,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    texts, finishes = {0: "", 1: ""}, {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+            if choice.logprobs and choice.logprobs.content:
+                assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    assert set(finishes) == {0, 1}
+    assert all(texts.values())
+    usage = chunks[-1].usage
+    assert usage.completion_tokens <= 20 and usage.completion_tokens >= 2
+
+
+def test_async_client_and_sixteen_concurrent_streams_share_the_batch(async_client, server):
+    engine = server[1]
+
+    async def one(i: int):
+        stream = await async_client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            temperature=0.5,
+            seed=i,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    first_step = engine.step_log[-1].index if engine.step_log else 0
+    results = asyncio.run(run_all())
+    assert len(results) == 16
+    for text, usage in results:
+        assert text
+        assert usage.completion_tokens == 16
+    steps = [s for s in engine.step_log if s.index > first_step]
+    assert max(len(s.request_ids) for s in steps) >= 8
+    # 16 requests x 16 tokens in far fewer steps than one at a time would take.
+    assert len(steps) < 16 * 16 / 2
+
+
+def test_disconnects_abort_requests_and_free_blocks(server):
+    url, engine, _ = server
+    body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    for _ in range(3):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+    # A non-streaming client that gives up before its first token.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={**body, "stream": False},
+            timeout=httpx.Timeout(5.0, read=0.2),
+        )
+    wait_until_idle(engine)
+    assert engine.num_free_blocks == engine.num_usable_blocks
+    assert engine.scheduler.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 5}, 400, "top_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "temperature": -1},
+            400,
+            "temperature",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi " * 600}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "n": 0}, 400, "n"),
+        ("/v1/nothing-here", {}, 404, None),
+    ],
+)
+def test_errors_have_openai_shape_and_the_server_keeps_serving(
+    client, server, path, body, status, param
+):
+    response = httpx.post(server[0] + path, json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_invalid_json_is_a_400(server):
+    response = httpx.post(
+        server[0] + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_health_version_tokenize_detokenize(client, server):
+    url = server[0]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/version").json()["version"]
+    tokens = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == 512
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    chat_tokens = httpx.post(url + "/tokenize", json={"messages": QUESTION}).json()
+    assert chat_tokens["count"] > tokens["count"]
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400
+
+
+def test_metrics_parse_and_move(client, server):
+    url = server[0]
+
+    def scrape() -> dict[str, float]:
+        values = {}
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for sample in family.samples:
+                key = sample.name + json.dumps(sample.labels, sort_keys=True)
+                values[key] = sample.value
+        return values
+
+    before = scrape()
+    client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    time.sleep(0.2)
+    after = scrape()
+    length_key = 'forklift:request_success_total{"finished_reason": "length"}'
+    assert after[length_key] == before.get(length_key, 0) + 1
+    assert (
+        after["forklift:generation_tokens_total{}"]
+        >= before["forklift:generation_tokens_total{}"] + 5
+    )
+    assert after["forklift:prompt_tokens_total{}"] > before["forklift:prompt_tokens_total{}"]
+    assert after["forklift:e2e_request_latency_seconds_count{}"] == (
+        before["forklift:e2e_request_latency_seconds_count{}"] + 1
+    )
+    for name in (
+        "forklift:num_requests_running{}",
+        "forklift:num_requests_waiting{}",
+        "forklift:kv_cache_usage_perc{}",
+        "forklift:num_preemptions_total{}",
+        "forklift:time_to_first_token_seconds_count{}",
+        "forklift:inter_token_latency_seconds_count{}",
+        "forklift:request_queue_time_seconds_count{}",
+    ):
+        assert name in after
