@@ -10,12 +10,12 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import running_server, wait_until_idle
 
 from forklift import SamplingParams
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
 from forklift.server.app import build_app
-from server_harness import running_server, wait_until_idle
 
 MODEL = "smol"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
