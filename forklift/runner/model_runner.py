@@ -14,6 +14,7 @@ from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import KVCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
+from forklift.runner.attention_metadata import build_attention_metadata
 from forklift.runner.memory import (
     KVCachePlan,
     measure_peak_bytes,
@@ -163,59 +164,6 @@ class ModelRunner:
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),
         )
-
-
-def build_attention_metadata(
-    starts: np.ndarray,
-    query_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    sliding_window: int | None,
-    device: torch.device,
-) -> AttentionMetadata:
-    """Index tensors for a batch where sequence s computes tokens [starts[s], starts[s] +
-    query_lens[s]) and attends to positions [0, starts[s] + query_lens[s])."""
-    num_seqs = len(starts)
-    num_tokens = int(query_lens.sum())
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    offset_in_seq = np.arange(num_tokens) - np.repeat(
-        np.cumsum(query_lens) - query_lens, query_lens
-    )
-    positions = starts[seq_of_token] + offset_in_seq
-    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + (
-        positions % block_size
-    )
-
-    max_q = int(query_lens.max())
-    query_index = np.full((num_seqs, max_q), num_tokens, dtype=np.int64)
-    query_index[seq_of_token, offset_in_seq] = np.arange(num_tokens)
-    output_index = seq_of_token * max_q + offset_in_seq
-
-    kv_lens = starts + query_lens
-    max_kv = int(kv_lens.max())
-    kv_pos = np.arange(max_kv)[None, :]
-    kv_valid = kv_pos < kv_lens[:, None]
-    block_of = np.minimum(kv_pos // block_size, block_table.shape[1] - 1)
-    kv_slots = (
-        block_table[np.arange(num_seqs)[:, None], block_of] * block_size + kv_pos % block_size
-    )
-    kv_slots = np.where(kv_valid, kv_slots, 0)
-
-    q_pos = starts[:, None] + np.arange(max_q)[None, :]  # [S, Q]
-    mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-    if sliding_window is not None:
-        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-
-    def to_tensor(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    return AttentionMetadata(
-        slot_mapping=to_tensor(slot_mapping.astype(np.int64)),
-        query_index=to_tensor(query_index),
-        output_index=to_tensor(output_index.astype(np.int64)),
-        kv_slots=to_tensor(kv_slots.astype(np.int64)),
-        mask=to_tensor(mask[:, None, :, :]),
-    )
 
 
 def build_model(

@@ -1,0 +1,94 @@
+"""Scheduled sequences -> the index tensors paged attention reads (built once per step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from forklift.model.layers.attention import AttentionGroup, AttentionMetadata
+
+
+def build_attention_metadata(
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and attends to
+    positions [0, starts[s] + query_lens[s]); its tokens are contiguous in the flat batch."""
+    num_tokens = int(query_lens.sum())
+    first_token = np.cumsum(query_lens) - query_lens
+    seq_of_token = np.repeat(np.arange(len(starts)), query_lens)
+    positions = starts[seq_of_token] + np.arange(num_tokens) - first_token[seq_of_token]
+    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + (
+        positions % block_size
+    )
+    decode = query_lens == 1
+    groups = [
+        _group(
+            np.flatnonzero(members),
+            starts,
+            query_lens,
+            first_token,
+            block_table,
+            block_size,
+            sliding_window,
+            num_tokens,
+            device,
+        )
+        for members in (decode, ~decode)
+        if members.any()
+    ]
+    return AttentionMetadata(_tensor(slot_mapping, device), groups)
+
+
+def _group(
+    seqs: np.ndarray,
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    first_token: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+    num_tokens: int,
+    device: torch.device,
+) -> AttentionGroup:
+    starts, query_lens, table = starts[seqs], query_lens[seqs], block_table[seqs]
+    count = len(seqs)
+    group_tokens = int(query_lens.sum())
+    row = np.repeat(np.arange(count), query_lens)
+    offset = np.arange(group_tokens) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+    token_index = first_token[seqs][row] + offset
+
+    max_q = int(query_lens.max())
+    query_index = np.full((count, max_q), num_tokens, dtype=np.int64)
+    query_index[row, offset] = token_index
+    padded_index = row * max_q + offset
+
+    kv_lens = starts + query_lens
+    kv_pos = np.arange(int(kv_lens.max()))[None, :]
+    kv_valid = kv_pos < kv_lens[:, None]
+    block_of = np.minimum(kv_pos // block_size, table.shape[1] - 1)
+    kv_slots = table[np.arange(count)[:, None], block_of] * block_size + kv_pos % block_size
+    kv_slots = np.where(kv_valid, kv_slots, 0)
+
+    q_pos = starts[:, None] + np.arange(max_q)[None, :]  # [S, Q]
+    mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    if sliding_window is not None:
+        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    return AttentionGroup(
+        query_index=_tensor(query_index, device),
+        padded_index=_tensor(padded_index, device),
+        token_index=_tensor(token_index, device),
+        kv_slots=_tensor(kv_slots, device),
+        mask=_tensor(mask[:, None, :, :], device),
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    array = np.ascontiguousarray(array)
+    if array.dtype != np.bool_:
+        array = array.astype(np.int64, copy=False)
+    return torch.from_numpy(array).to(device)
