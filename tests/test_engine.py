@@ -306,3 +306,16 @@ def test_kv_budget_from_memory_fraction(tiny_dir, caplog):
     assert plan.num_blocks > 1000
     assert "activation peak" in plan.source
     assert any("max concurrency" in r.getMessage() for r in caplog.records)
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    words = llm.generate("w9 w8", greedy, use_tqdm=False)[0].outputs[0].text.split(" ")
+    stop = words[1]
+    early = llm.generate("w9 w8", greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == 2
+    held = llm.generate("w9 w8", greedy.clone(stop=[stop], min_tokens=4), use_tqdm=False)
+    held_text = held[0].outputs[0].text
+    # The word at token 2 is kept; only an occurrence after the 4th token could stop it.
+    assert held_text.split(" ")[:2] == words[:2]
+    assert len(held[0].outputs[0].token_ids) >= 4

@@ -38,15 +38,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
 
-    def update(self, new_token_ids: Sequence[int]) -> bool:
+    def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> bool:
         """Appends tokens and extends `text`; True once a stop string has been found.
 
-        After a stop string is found the output is complete and later calls change nothing.
+        `check_stop=False` (while min_tokens is not reached) extends the text without looking
+        for stop strings. After a stop string is found the output is complete and later calls
+        change nothing.
         """
         if self.stop_reason is not None:
             return True
         self.token_ids.extend(new_token_ids)
-        return self._append(self._decode_new(allow_incomplete=False))
+        return self._append(self._decode_new(allow_incomplete=False), check_stop)
 
     def finalize(self) -> None:
         """Emits text still held back, an incomplete trailing character included."""
@@ -81,13 +83,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _append(self, delta: str) -> bool:
+    def _append(self, delta: str, check_stop: bool = True) -> bool:
         if not delta:
             return False
         # A new match must end inside `delta`, so it starts at most max_stop_len - 1 earlier.
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta
-        return self._check_stop(search_from)
+        return check_stop and self._check_stop(search_from)
 
     def _check_stop(self, search_from: int) -> bool:
         best: tuple[int, str] | None = None

@@ -21,10 +21,11 @@ from forklift.engine.output_processor import (
     mark_first_token,
 )
 from forklift.engine.request import FinishReason, Request
-from forklift.engine.scheduler import Scheduler
+from forklift.engine.scheduler import Scheduler, SchedulerOutput
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.model_runner import ModelRunner
+from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.tokenizer import Tokenizer, load_tokenizer
 
@@ -283,16 +284,13 @@ class LLMEngine:
         self._record_step(sched, now, time.perf_counter() - started, len(result.sampled_items))
         return [self._emit(parent) for parent in touched.values()]
 
-    def _record_step(self, sched: Any, start: float, duration: float, sampled: int) -> None:
+    def _record_step(
+        self, sched: SchedulerOutput, start: float, duration: float, sampled: int
+    ) -> None:
         self._num_steps += 1
-        ids = tuple(
-            dict.fromkeys(
-                self._sequences[s.request.request_id][0].request_id
-                if s.request.request_id in self._sequences
-                else s.request.request_id
-                for s in sched.scheduled
-            )
-        )
+        # Every scheduled sequence is still registered: finished ones leave in _emit, later.
+        parents = (self._sequences[s.request.request_id][0] for s in sched.scheduled)
+        ids = tuple(dict.fromkeys(p.request_id for p in parents))
         self.step_log.append(
             StepRecord(
                 self._num_steps,
@@ -305,7 +303,7 @@ class LLMEngine:
             )
         )
 
-    def _process_sample(self, sequence: Sequence, out: Any, row: int) -> None:
+    def _process_sample(self, sequence: Sequence, out: SamplerOutput, row: int) -> None:
         request = sequence.request
         top = None
         if out.top_ids is not None:

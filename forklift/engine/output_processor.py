@@ -100,10 +100,9 @@ class OutputProcessor:
         stopped_on_token = request.is_finished and request.finish_reason == FinishReason.STOP
         hit_stop = False
         if not stopped_on_token:
-            hit_stop = detok.update([token_id])
-            # min_tokens holds stop strings back too, like EOS.
-            if hit_stop and request.num_output_tokens < request.sampling_params.min_tokens:
-                hit_stop = False
+            # Like EOS, stop strings only end a sequence once min_tokens are out.
+            may_stop = request.num_output_tokens >= request.sampling_params.min_tokens
+            hit_stop = detok.update([token_id], check_stop=may_stop)
         if request.is_finished or hit_stop:
             detok.finalize()
         return hit_stop

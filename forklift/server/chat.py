@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from forklift.outputs import CompletionOutput, RequestOutput
-from forklift.server.errors import APIError, bad_request
+from forklift.server.errors import APIError
 from forklift.server.protocol import ChatCompletionRequest, ChatMessage
 from forklift.server.serving import (
     ChoiceProgress,
@@ -49,10 +49,10 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
-        raise bad_request(ValueError("SamplingParams.max_tokens must be at least 1"))
-    params = make_params(body.sampling_params, max_tokens, logprobs)
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    params = make_params(body, max_tokens, logprobs)
     prompt = chat_prompt_ids(
         ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )

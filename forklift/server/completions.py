@@ -38,7 +38,7 @@ async def create_completion(
     ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    params = make_params(body.sampling_params, body.max_tokens, body.logprobs)
+    params = make_params(body, body.max_tokens, body.logprobs)
     run = launch(ctx, "cmpl", prompt_list(ctx, body.prompt), params)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")

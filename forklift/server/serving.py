@@ -11,7 +11,9 @@ from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
+from forklift.server.protocol import SamplingFields
 from forklift.server.streams import merge_streams
+from forklift.tokenizer import Tokenizer
 
 
 @dataclass
@@ -20,7 +22,7 @@ class ServerContext:
     served_model_name: str
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - forklift.tokenizer.Tokenizer
+    def tokenizer(self) -> Tokenizer:
         tokenizer = self.async_engine.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompts as token ids")
@@ -65,9 +67,11 @@ def launch(
     return Launch(response_id, int(arrival), ids, merge_streams(streams))
 
 
-def make_params(build: object, *args: object) -> SamplingParams:
+def make_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     try:
-        return build(*args)  # type: ignore[operator]
+        return body.sampling_params(max_tokens, logprobs)
     except ValueError as exc:
         raise bad_request(exc) from exc
 
