@@ -1,4 +1,4 @@
-"""`forklift generate | chat | serve | tokenizer export`: the command line."""
+"""`forklift generate | chat | serve | tokenizer export | kv-calc | bench`: the command line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from forklift.bench.cli import add_bench_parser
+from forklift.bench.kv_calc import add_kv_calc_parser
 from forklift.config import EngineConfig
 from forklift.sampling_params import SamplingParams
 
@@ -172,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("directory")
     export.add_argument("--model", default=None)
     export.set_defaults(func=cmd_tokenizer_export)
+
+    add_kv_calc_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

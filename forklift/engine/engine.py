@@ -60,6 +60,7 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
+        self.model_source = source
         self.model_config = load_model_config(source)
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self.device = config.resolve_device()

@@ -1,0 +1,1 @@
+"""Benchmarks and calculators for forklift: KV-cache arithmetic, memory, throughput."""

@@ -1,0 +1,209 @@
+"""KV-cache arithmetic: how many bytes a context needs, and what a memory budget buys.
+
+`forklift kv-calc` prints both with the numbers filled in, for a model's config or for an
+explicit shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The three numbers of a model that set its KV bytes per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class BudgetBreakdown:
+    """What `budget_bytes` of KV cache holds, in blocks, tokens and whole requests."""
+
+    budget_bytes: int
+    bytes_per_token: int
+    block_size: int
+    request_len: int
+    bytes_per_block: int
+    num_blocks: int
+    num_tokens: int
+    blocks_per_request: int
+    num_requests: int
+
+
+def require_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def dtype_bytes(dtype: str) -> int:
+    for name, size in DTYPE_BYTES:
+        if name == dtype:
+            return size
+    names = ", ".join(name for name, _ in DTYPE_BYTES)
+    raise ValueError(f"dtype must be one of {names}; got {dtype!r}")
+
+
+def kv_cache_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, bytes_per_element: int
+) -> int:
+    """K and V (the 2), for every layer and KV head, for every token of the context."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("num_tokens", num_tokens),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        require_positive(name, value)
+    return 2 * num_layers * num_kv_heads * head_dim * num_tokens * bytes_per_element
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def budget_breakdown(
+    budget_bytes: int, bytes_per_token: int, block_size: int, request_len: int
+) -> BudgetBreakdown:
+    """Blocks, tokens and requests of `request_len` tokens that fit in `budget_bytes`.
+
+    Pure arithmetic: forklift's engine keeps one more block aside (the null block).
+    """
+    for name, value in (
+        ("budget_bytes", budget_bytes),
+        ("bytes_per_token", bytes_per_token),
+        ("block_size", block_size),
+        ("request_len", request_len),
+    ):
+        require_positive(name, value)
+    bytes_per_block = bytes_per_token * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    per_request = blocks_needed(request_len, block_size)
+    return BudgetBreakdown(
+        budget_bytes=budget_bytes,
+        bytes_per_token=bytes_per_token,
+        block_size=block_size,
+        request_len=request_len,
+        bytes_per_block=bytes_per_block,
+        num_blocks=num_blocks,
+        num_tokens=num_blocks * block_size,
+        blocks_per_request=per_request,
+        num_requests=num_blocks // per_request,
+    )
+
+
+def format_bytes(num_bytes: float) -> str:
+    return f"{num_bytes:,.0f} bytes = {num_bytes / 2**20:,.2f} MiB = {num_bytes / 2**30:,.2f} GiB"
+
+
+def formula_lines(shape: KVShape, num_tokens: int, dtype: str) -> list[str]:
+    element = dtype_bytes(dtype)
+    total = kv_cache_bytes(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, num_tokens, element
+    )
+    per_token = total // num_tokens
+    return [
+        "KV cache = 2 (K and V) x layers x KV heads x head dim x tokens x bytes per element",
+        f"         = 2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
+        f"{num_tokens} x {element} ({dtype})",
+        f"         = {total} bytes",
+        f"         = {format_bytes(total)}",
+        f"per token: {per_token:,} bytes",
+    ]
+
+
+def breakdown_lines(b: BudgetBreakdown) -> list[str]:
+    return [
+        f"budget: {format_bytes(b.budget_bytes)}",
+        f"  blocks of {b.block_size} tokens: {b.bytes_per_block:,} bytes each -> "
+        f"{b.num_blocks:,} blocks",
+        f"  tokens: {b.num_tokens:,}",
+        f"  requests of {b.request_len:,} tokens ({b.blocks_per_request:,} blocks each): "
+        f"{b.num_requests:,} at once",
+        "  (forklift's engine keeps one block aside as the null block)",
+    ]
+
+
+# ---- command line -----------------------------------------------------------------------
+
+
+def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
+    calc = sub.add_parser("kv-calc", help="KV-cache bytes for a context, and what a budget buys")
+    calc.add_argument("--model", default=None, help="HF model dir or GGUF file (default model)")
+    calc.add_argument("--layers", type=int, default=None, help="overrides the model's")
+    calc.add_argument("--kv-heads", type=int, default=None, help="overrides the model's")
+    calc.add_argument("--head-dim", type=int, default=None, help="overrides the model's")
+    calc.add_argument("--tokens", type=int, default=8192, help="context length")
+    calc.add_argument("--dtype", default="bfloat16", choices=[n for n, _ in DTYPE_BYTES])
+    budget = calc.add_mutually_exclusive_group()
+    budget.add_argument("--budget-gib", type=float, default=None)
+    budget.add_argument("--budget-bytes", type=int, default=None)
+    calc.add_argument("--block-size", type=int, default=16)
+    calc.add_argument("--request-len", type=int, default=None, help="default: --tokens")
+    calc.set_defaults(func=cmd_kv_calc)
+
+
+def cmd_kv_calc(args: argparse.Namespace) -> int:
+    _check_args(args)
+    shape, source = _shape_from_args(args)
+    print(source)
+    for line in formula_lines(shape, args.tokens, args.dtype):
+        print(line)
+    budget = _budget_bytes(args)
+    if budget is not None:
+        per_token = kv_cache_bytes(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, dtype_bytes(args.dtype)
+        )
+        request_len = args.request_len if args.request_len is not None else args.tokens
+        for line in breakdown_lines(
+            budget_breakdown(budget, per_token, args.block_size, request_len)
+        ):
+            print(line)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    # Name the flag the user typed, not the parameter it feeds.
+    for flag, value in (
+        ("--layers", args.layers),
+        ("--kv-heads", args.kv_heads),
+        ("--head-dim", args.head_dim),
+        ("--tokens", args.tokens),
+        ("--budget-gib", args.budget_gib),
+        ("--budget-bytes", args.budget_bytes),
+        ("--block-size", args.block_size),
+        ("--request-len", args.request_len),
+    ):
+        if value is not None:
+            require_positive(flag, value)
+
+
+def _shape_from_args(args: argparse.Namespace) -> tuple[KVShape, str]:
+    explicit = (args.layers, args.kv_heads, args.head_dim)
+    if None not in explicit:
+        return KVShape(*explicit), "shape: given on the command line"
+    # Imported here: reading a model pulls in its loaders, which explicit shapes never need.
+    from forklift.model.model_source import load_model_config, resolve_model
+
+    source = resolve_model(args.model)
+    config = load_model_config(source)
+    shape = KVShape(
+        args.layers or config.num_layers,
+        args.kv_heads or config.num_kv_heads,
+        args.head_dim or config.head_dim,
+    )
+    return shape, f"model: {source.path.name} ({config.architecture})"
+
+
+def _budget_bytes(args: argparse.Namespace) -> int | None:
+    if args.budget_bytes is not None:
+        return args.budget_bytes
+    if args.budget_gib is not None:
+        return int(args.budget_gib * 2**30)
+    return None
