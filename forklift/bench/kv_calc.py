@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from forklift.engine.kv_cache_manager import blocks_for_tokens
+
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 
 
@@ -64,10 +66,6 @@ def kv_cache_bytes(
     return 2 * num_layers * num_kv_heads * head_dim * num_tokens * bytes_per_element
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def budget_breakdown(
     budget_bytes: int, bytes_per_token: int, block_size: int, request_len: int
 ) -> BudgetBreakdown:
@@ -84,7 +82,7 @@ def budget_breakdown(
         require_positive(name, value)
     bytes_per_block = bytes_per_token * block_size
     num_blocks = budget_bytes // bytes_per_block
-    per_request = blocks_needed(request_len, block_size)
+    per_request = blocks_for_tokens(request_len, block_size)
     return BudgetBreakdown(
         budget_bytes=budget_bytes,
         bytes_per_token=bytes_per_token,

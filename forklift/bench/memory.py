@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forklift.bench.kv_calc import blocks_needed, dtype_bytes, kv_cache_bytes
-from forklift.engine.kv_cache_manager import KVCacheManager
+from forklift.bench.kv_calc import dtype_bytes, kv_cache_bytes
+from forklift.engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from forklift.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class MemoryReport:
 
 def reserve_with_manager(reserve_tokens: Sequence[int], block_size: int) -> int:
     """Slots a `KVCacheManager` hands out when each request asks for `reserve_tokens[i]`."""
-    needed = sum(blocks_needed(n, block_size) for n in reserve_tokens)
+    needed = sum(blocks_for_tokens(n, block_size) for n in reserve_tokens)
     # One extra block: the pool keeps block 0 as the null block.
     manager = KVCacheManager(needed + 1, block_size)
     for index, tokens in enumerate(reserve_tokens):
@@ -233,7 +233,7 @@ def admit_paged(lengths: Iterator[int], num_blocks: int, block_size: int) -> lis
     admitted: list[int] = []
     free = num_blocks
     for length in lengths:
-        need = blocks_needed(length, block_size)
+        need = blocks_for_tokens(length, block_size)
         if need > free:
             return admitted
         free -= need
@@ -269,7 +269,7 @@ def at_scale(
     paged = admit_paged(scale_lengths(max_len, seed), budget_tokens // block_size, block_size)
     num_contiguous = budget_tokens // max_len
     contiguous = _take(scale_lengths(max_len, seed), num_contiguous)
-    paged_reserved = sum(blocks_needed(n, block_size) for n in paged) * block_size
+    paged_reserved = sum(blocks_for_tokens(n, block_size) for n in paged) * block_size
     return ScaleResult(
         model=model_name,
         dtype=dtype,
@@ -322,8 +322,8 @@ def kv_bytes_for(
 ) -> int:
     """Room for the whole workload at once, plus the null block; never below what the engine
     needs to start (one request of max_model_len)."""
-    blocks = sum(blocks_needed(len(p) + n, spec.block_size) for p, n in workload)
-    blocks = max(blocks, blocks_needed(spec.max_model_len, spec.block_size)) + 1
+    blocks = sum(blocks_for_tokens(len(p) + n, spec.block_size) for p, n in workload)
+    blocks = max(blocks, blocks_for_tokens(spec.max_model_len, spec.block_size)) + 1
     return blocks * spec.block_size * bytes_per_token
 
 
