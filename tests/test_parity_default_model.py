@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from tiny_models import hf_greedy
 
 from forklift import SamplingParams
-from forklift.model.model_source import iter_model_weights, load_model_config
+from forklift.bench.hf_baseline import load_hf_model
+from forklift.model.model_source import load_model_config
 
 PROMPTS = [
     "What is the capital of France?",
@@ -31,27 +31,8 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_oracle(default_source):
-    config = load_model_config(default_source)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_word_embeddings,
-    )
-    model = transformers.LlamaForCausalLM(hf_config).float().eval()
-    state = dict(iter_model_weights(default_source, config))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected
-    assert set(missing) <= {"lm_head.weight"}  # tied to the embeddings
-    model.tie_weights()
-    model.generation_config.eos_token_id = None
-    return model
+    # transformers' LlamaForCausalLM holding forklift's dequantized weights.
+    return load_hf_model(default_source, load_model_config(default_source), torch.float32)
 
 
 def test_default_model_greedy_parity(default_llm_fp32, hf_oracle):
