@@ -54,25 +54,33 @@ def test_api_key_is_required_on_v1(tiny_engine):
 
 def test_full_waiting_queue_answers_503_with_retry_after(tiny_engine):
     app = build_app(tiny_engine, "tiny", max_waiting_requests=2)
+    async_engine = app.state.ctx.async_engine
     with running_server(app) as url:
-        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 20, "ignore_eos": True}
 
         async def burst():
+            # Held still, the engine queues the first two requests; the rest find it full.
+            async_engine.pause()
             async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(
-                    *(client.post(url + "/v1/completions", json=body) for _ in range(12))
-                )
+                tasks = [
+                    asyncio.create_task(client.post(url + "/v1/completions", json=body))
+                    for _ in range(12)
+                ]
+                while sum(t.done() for t in tasks) < 10:
+                    await asyncio.sleep(0.05)
+                async_engine.resume()
+                return await asyncio.gather(*tasks)
 
         responses = asyncio.run(burst())
         statuses = [r.status_code for r in responses]
-        assert statuses.count(200) >= 2
-        assert 503 in statuses
+        assert statuses.count(200) == 2
+        assert statuses.count(503) == 10
         rejected = next(r for r in responses if r.status_code == 503)
         assert rejected.headers["retry-after"] == "1"
         assert set(rejected.json()["error"]) == {"message", "type", "param", "code"}
         for r in responses:
             if r.status_code == 200:
-                assert r.json()["usage"]["completion_tokens"] == 200
+                assert r.json()["usage"]["completion_tokens"] == 20
         wait_until_idle(tiny_engine)
         ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3})
         assert ok.status_code == 200

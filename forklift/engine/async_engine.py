@@ -69,6 +69,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
         self._stopped = False
         self._error: BaseException | None = None
         self._counter = 0
@@ -91,32 +93,37 @@ class AsyncEngine:
     def num_pending(self) -> int:
         """Requests accepted but not yet running: queued commands plus the engine's queue."""
         with self._lock:
-            queued = sum(isinstance(c, _Add) for c in self._commands)
+            return self._num_pending_locked()
+
+    def _num_pending_locked(self) -> int:
+        queued = sum(isinstance(c, _Add) for c in self._commands)
         return queued + self.engine.scheduler.num_waiting
 
-    def admit(self, count: int) -> None:
-        """Raise if `count` more requests cannot be accepted now."""
+    def submit(
+        self, requests: list[tuple[str, PromptType, SamplingParams]], arrival_time: float
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue requests (all or none) and return one output stream per request.
+
+        The waiting-queue check and the queueing happen under one lock, so a burst can never
+        overshoot `max_waiting_requests`. Leaving a stream early aborts its request.
+        """
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error}")
-        limit = self.max_waiting_requests
-        if limit is not None and self.num_pending() + count > limit:
-            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
-
-    async def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams,
-        request_id: str,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; leaving early aborts it in the engine.
-
-        Call `admit` first: this generator only starts work when first iterated."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        streams = []
         with self._lock:
-            self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt, params, arrival_time))
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_pending_locked() + len(requests) > limit:
+                raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
+            for request_id, prompt, params in requests:
+                stream = _Stream(loop, asyncio.Queue())
+                self._streams[request_id] = stream
+                self._commands.append(_Add(request_id, prompt, params, arrival_time))
+                streams.append(self._read(request_id, stream))
         self._wake.set()
+        return streams
+
+    async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -138,8 +145,19 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
         self._wake.set()
 
+    def pause(self) -> None:
+        """Stop stepping after the current step; requests keep queueing until `resume`.
+
+        For callers that must hold the engine still (e.g. while swapping weights)."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+        self._wake.set()
+
     def shutdown(self) -> None:
         self._stopped = True
+        self._unpaused.set()
         self._wake.set()
         self._thread.join(timeout=30)
 
@@ -147,6 +165,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped:
+                self._unpaused.wait()
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=1.0)
@@ -188,6 +207,11 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
+            # Forget finished streams here too: one whose reader never started (its response
+            # was dropped first) would otherwise stay registered.
+            for output in outputs:
+                if output.finished:
+                    self._streams.pop(output.request_id, None)
         for stream, output in targets:
             if stream is not None:
                 stream.put(output)

@@ -57,13 +57,12 @@ def launch(
         ids = [engine.validate({"prompt_token_ids": p}, params) for p in prompts]
     except ValueError as exc:
         raise bad_request(exc) from exc
-    engine.admit(len(ids))
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
-    streams = [
-        engine.generate({"prompt_token_ids": p}, params, f"{response_id}-{i}", arrival)
-        for i, p in enumerate(ids)
-    ]
+    streams = engine.submit(
+        [(f"{response_id}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(ids)],
+        arrival,
+    )
     return Launch(response_id, int(arrival), ids, merge_streams(streams))
 
 
