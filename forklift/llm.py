@@ -72,12 +72,15 @@ class LLM:
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         engine = self.llm_engine
-        # Validate every prompt before queueing any, so a bad one costs no work.
+        # Tokenize and validate every prompt before queueing any, so a bad one costs no work.
+        tokenized = []
         for prompt, p in zip(prompts, params, strict=True):
             p.validate()
-            engine.validate_prompt(engine.tokenize_prompt(prompt)[1])
+            text, prompt_ids = engine.tokenize_prompt(prompt)
+            engine.validate_prompt(prompt_ids)
+            tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
         ids = [
-            engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params, strict=True)
+            engine.add_request(None, prompt, p) for prompt, p in zip(tokenized, params, strict=True)
         ]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

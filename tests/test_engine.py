@@ -134,6 +134,7 @@ def test_stop_string_straddling_tokens(llm):
     base = llm.generate(
         "w9 w8", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
     )
+    assert base[0].prompt == "w9 w8"  # text prompts keep their text in the output
     words = base[0].outputs[0].text.split(" ")
     assert len(words) >= 6
     # The stop string begins inside the 4th word's token and ends inside the 5th's.

@@ -148,10 +148,14 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt (text, token ids or a {"prompt" | "prompt_token_ids"} dict) -> ids."""
+        """A prompt (text, token ids or a {"prompt" | "prompt_token_ids"} dict) -> ids.
+
+        A dict with both keys is taken as already tokenized; its text is kept for outputs."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                _, ids = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
+                return (text if isinstance(text, str) else None), ids
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -15,9 +15,11 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
-) -> AttentionMetadata:
+) -> tuple[AttentionMetadata, np.ndarray]:
     """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and attends to
-    positions [0, starts[s] + query_lens[s]); its tokens are contiguous in the flat batch."""
+    positions [0, starts[s] + query_lens[s]); its tokens are contiguous in the flat batch.
+
+    Returns the metadata and each token's position (the rotary embedding needs them too)."""
     num_tokens = int(query_lens.sum())
     first_token = np.cumsum(query_lens) - query_lens
     seq_of_token = np.repeat(np.arange(len(starts)), query_lens)
@@ -41,7 +43,7 @@ def build_attention_metadata(
         for members in (decode, ~decode)
         if members.any()
     ]
-    return AttentionMetadata(_tensor(slot_mapping, device), groups)
+    return AttentionMetadata(_tensor(slot_mapping, device), groups), positions
 
 
 def _group(

@@ -99,7 +99,7 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
-        meta = build_attention_metadata(
+        meta, _ = build_attention_metadata(
             np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
         )
         with torch.inference_mode():
@@ -149,13 +149,9 @@ class ModelRunner:
         table = np.zeros((len(scheduled), width), dtype=np.int64)
         for row, blocks in enumerate(block_tables):
             table[row, : len(blocks)] = blocks
-        meta = build_attention_metadata(
+        meta, positions = build_attention_metadata(
             starts, query_lens, table, self.block_size, self.sliding_window, self.device
         )
-        offsets = np.arange(int(query_lens.sum())) - np.repeat(
-            np.cumsum(query_lens) - query_lens, query_lens
-        )
-        positions = np.repeat(starts, query_lens) + offsets
         sampling = np.array([s.samples for s in scheduled], dtype=bool)
         sample_index = (np.cumsum(query_lens) - 1)[sampling]
         return StepInputs(
