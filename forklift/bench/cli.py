@@ -17,6 +17,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _add_memory(bench_sub)
     _add_throughput(bench_sub)
+    _add_serve(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -91,3 +92,79 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(render_markdown({**report, "command": command}))
     return 0
+
+
+def _add_serve(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "serve", help="streaming load sweep against an OpenAI-compatible server"
+    )
+    parser.add_argument(
+        "--base-url", default=None, help="server to load (default: start forklift serve)"
+    )
+    parser.add_argument("--model", default=None, help="local model for the prompts' tokenizer")
+    parser.add_argument("--served-model", default=None, help="model name sent in requests")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--input-tokens", type=int, default=None)
+    parser.add_argument("--output-tokens", type=int, default=None)
+    parser.add_argument("--concurrency", default=None, help="comma-separated levels")
+    parser.add_argument("--min-requests", type=int, default=None)
+    parser.add_argument("--requests-per-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra `forklift serve` argument"
+    )
+    parser.add_argument("--name", default="serve", help="report file name stem")
+    parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from forklift.bench.serve import ServeSettings, render_markdown, run_serve_bench, write_report
+
+    overrides: dict[str, Any] = {
+        "base_url": args.base_url,
+        "model": args.model,
+        "served_model": args.served_model,
+        "endpoint": args.endpoint,
+        "api_key": args.api_key,
+        "server_args": args.server_arg,
+    }
+    optional = {
+        "input_tokens": args.input_tokens,
+        "output_tokens": args.output_tokens,
+        "min_requests": args.min_requests,
+        "requests_per_concurrency": args.requests_per_concurrency,
+    }
+    overrides |= {key: value for key, value in optional.items() if value is not None}
+    if args.concurrency is not None:
+        overrides["concurrencies"] = tuple(int(c) for c in args.concurrency.split(","))
+    settings = (ServeSettings.quick if args.quick else ServeSettings)(**overrides)
+    report = run_serve_bench(settings)
+    report["command"] = _serve_command(args)
+    for path in write_report(report, Path(args.out_dir), args.name):
+        print(f"wrote {path}")
+    print(render_markdown(report))
+    failed = sum(len(level["errors"]) for level in report["levels"])
+    return 1 if failed else 0
+
+
+def _serve_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (the API key is never written down)."""
+    command = ["forklift", "bench", "serve"] + (["--quick"] if args.quick else [])
+    flags = {
+        "--base-url": args.base_url,
+        "--model": args.model,
+        "--served-model": args.served_model,
+        "--input-tokens": args.input_tokens,
+        "--output-tokens": args.output_tokens,
+        "--concurrency": args.concurrency,
+        "--min-requests": args.min_requests,
+        "--requests-per-concurrency": args.requests_per_concurrency,
+    }
+    for flag, value in flags.items():
+        command += [flag, str(value)] if value is not None else []
+    command += ["--endpoint", args.endpoint] if args.endpoint != "completions" else []
+    for server_arg in args.server_arg:
+        command.append(f"--server-arg={server_arg}")
+    return shlex.join(command)

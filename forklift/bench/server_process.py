@@ -1,0 +1,55 @@
+"""Start `forklift serve` as a child process on a free loopback port, and stop it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def forklift_server(extra_args: list[str], startup_timeout_s: float = 300.0) -> Iterator[str]:
+    """Yields the base URL once /health answers; the server's log is shown if it fails."""
+    port = free_loopback_port()
+    command = [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *extra_args]
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(process, base_url, startup_timeout_s, log)
+            yield base_url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_healthy(process: subprocess.Popen, base_url: str, timeout_s: float, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"forklift serve exited with {process.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"forklift serve was not healthy after {timeout_s:.0f} s")
