@@ -7,9 +7,11 @@ from forklift.sampling_params import SamplingParams
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    # Prompts differ from their first token, so the prefix cache never joins two requests.
+    first = 1 + 1000 * sum(map(ord, rid))
     return Request(
         request_id=rid,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
+        prompt_token_ids=list(range(first, first + prompt_len)),
         sampling_params=SamplingParams(max_tokens=max_tokens),
         seed=0,
         max_tokens=max_tokens,

@@ -1,21 +1,36 @@
-"""Physical KV-cache blocks: reference counts and a free list.
+"""Physical KV-cache blocks: reference counts, an LRU free list and the prefix-cache index.
 
 Block 0 is the null block: it is never handed out, stays zeroed, and pads gathers so that
 attention never reads memory no request has written.
+
+A full block whose K/V are computed can be registered under its `BlockKey` (a digest chained
+from its parent's). When its last owner frees it, it keeps its contents and its key and goes
+to the back of the free list; a later request with the same tokens can take it back from
+there. Only when the block is handed out for new contents is its key forgotten (eviction).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """What a cached block holds: its chained digest and, for verification, its tokens."""
+
+    digest: bytes
+    parent_digest: bytes
+    token_ids: tuple[int, ...]
 
 
 @dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    key: BlockKey | None = None
 
 
 class BlockPool:
@@ -28,7 +43,10 @@ class BlockPool:
             )
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(1, num_blocks))
+        # Insertion order is eviction order: the front is the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,16 +56,27 @@ class BlockPool:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def usage(self) -> float:
         """Fraction of usable blocks currently held by requests."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks from the front of the free list, evicting cached contents."""
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, only {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(count)]
-        for block_id in ids:
-            self.blocks[block_id].ref_cnt = 1
+        ids = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:
+                self._forget(block)
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            ids.append(block_id)
         return ids
 
     def share(self, block_id: int) -> None:
@@ -57,13 +86,59 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free and cannot be shared")
         block.ref_cnt += 1
 
+    def touch(self, block_ids: list[int]) -> None:
+        """Take references to cache hits, pulling free ones back out of the free list."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    raise ValueError(f"block {block_id} is free and holds no cached contents")
+                del self._free[block_id]
+            block.ref_cnt += 1
+
     def free(self, block_ids: list[int]) -> None:
-        # Free in reverse so a request's tail blocks are reused last: its head blocks are the
-        # ones most likely to be shared by a later prefix.
+        # Free in reverse so a request's tail blocks are evicted first: its head blocks are
+        # the ones most likely to be shared by a later prefix.
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block_id} freed twice")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block cached under `key`, checked token by token (not only by digest)."""
+        block_id = self._cached.get(key.digest)
+        if block_id is None:
+            return None
+        return block_id if self.blocks[block_id].key == key else None
+
+    def cache(self, block_id: int, key: BlockKey) -> None:
+        """Register a held, fully computed block. The first block cached under a key wins."""
+        block = self.blocks[block_id]
+        if block.ref_cnt <= 0:
+            raise ValueError(f"block {block_id} is free and cannot be cached")
+        if block.key is not None or key.digest in self._cached:
+            return
+        block.key = key
+        self._cached[key.digest] = block_id
+
+    def count_free_among(self, block_ids: list[int]) -> int:
+        """How many of these (cache-hit) blocks sit in the free list right now."""
+        return sum(1 for b in dict.fromkeys(block_ids) if self.blocks[b].ref_cnt == 0)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; contents already in use stay with their owners."""
+        dropped = len(self._cached)
+        for block_id in self._cached.values():
+            self.blocks[block_id].key = None
+        self._cached.clear()
+        return dropped
+
+    def _forget(self, block: KVBlock) -> None:
+        assert block.key is not None
+        if self._cached.get(block.key.digest) == block.block_id:
+            del self._cached[block.key.digest]
+        block.key = None

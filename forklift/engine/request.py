@@ -46,6 +46,14 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Extra prefix-cache key (weight version, cache salt): chains never cross it.
+    cache_key: bytes = b""
+    # Prompt tokens found in the prefix cache at first admission.
+    num_cached_tokens: int = 0
+    # Parallel sampling: the first sequence of a group computes the prompt; the others wait
+    # for it (`prefix_leader`) and then share its full prompt blocks instead of recomputing.
+    prefix_leader: Request | None = None
+    followers: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -105,18 +105,39 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Samples waiting for their group's prompt are passed over, keeping their place.
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
+            request = self.waiting.popleft()
+            if request.prefix_leader is not None:
+                passed_over.append(request)
+                continue
+            item = self._admit(request, budget)
+            if item is None:
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest.of(request, num_new))
-            budget -= num_new
+            out.scheduled.append(item)
+            budget -= item.num_new_tokens
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """Reserve blocks for a waiting request's next chunk, starting from the longest cached
+        prefix when it has nothing computed; None when blocks ran out (nothing changes)."""
+        kv = self.kv_cache
+        fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
+        cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if fresh else []
+        start = request.num_computed_tokens + len(cached) * kv.block_size
+        num_new = min(request.num_tokens - start, budget)
+        if not kv.allocate_slots(request.request_id, start + num_new, cached):
+            return None
+        if fresh and kv.enable_prefix_caching:
+            kv.record_lookup(request.num_tokens, start)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = start
+        request.num_computed_tokens = start
+        return ScheduledRequest.of(request, num_new)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
@@ -135,6 +156,14 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_full_blocks(
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.cache_key,
+            )
+            if request.followers and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._release_followers(request)
             if token_id is None:
                 continue
             request.append_output_token(token_id)
@@ -144,10 +173,28 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def _release_followers(self, leader: Request) -> None:
+        """The leader's prompt is computed: its samples share its full prompt blocks (the
+        partly filled last block is recomputed by each, so no block is ever written twice)."""
+        num_shared = (leader.num_prompt_tokens - 1) // self.kv_cache.block_size
+        for follower in leader.followers:
+            follower.prefix_leader = None
+            untouched = follower.num_computed_tokens == 0 and not self.kv_cache.block_table(
+                follower.request_id
+            )
+            if follower.is_finished or not untouched or num_shared == 0:
+                continue
+            self.kv_cache.share_prefix(leader.request_id, follower.request_id, num_shared)
+            follower.num_computed_tokens = num_shared * self.kv_cache.block_size
+        leader.followers = []
+
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Finish a request wherever it is; frees its blocks. Finishing twice is a no-op."""
         if request.is_finished:
             return
+        for follower in request.followers:  # never leave a sample waiting on a finished leader
+            follower.prefix_leader = None
+        request.followers = []
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
