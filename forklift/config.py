@@ -43,6 +43,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # Exact KV-cache size in bytes; overrides gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    # Reuse the KV blocks of earlier requests that share a token prefix.
+    enable_prefix_caching: bool = True
     # Seed for requests that bring none of their own.
     seed: int = 0
     # Torch intra-op threads on CPU; None = torch's default.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from forklift.config import EngineConfig
@@ -28,6 +29,26 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    # ---- RL: weights in, memory out (see the LLMEngine methods of the same names) ----------
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], finalize: bool = True
+    ) -> int:
+        return self.llm_engine.update_weights(named_tensors, finalize)
+
+    @property
+    def weight_version(self) -> int:
+        return self.llm_engine.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.llm_engine.wake_up()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -78,7 +99,11 @@ class LLM:
             p.validate()
             text, prompt_ids = engine.tokenize_prompt(prompt)
             engine.validate_prompt(prompt_ids)
-            tokenized.append({"prompt": text, "prompt_token_ids": prompt_ids})
+            salt = engine.cache_salt(prompt)
+            tokenized.append(
+                {"prompt": text, "prompt_token_ids": prompt_ids}
+                | ({} if salt is None else {"cache_salt": salt})
+            )
         ids = [
             engine.add_request(None, prompt, p) for prompt, p in zip(tokenized, params, strict=True)
         ]

@@ -40,6 +40,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def sampled_logprobs(self) -> list[float] | None:
+        """The logprob of each sampled token (needs `logprobs` >= 0), for RL losses."""
+        if self.logprobs is None:
+            return None
+        return [step[t].logprob for step, t in zip(self.logprobs, self.token_ids, strict=True)]
+
 
 @dataclass
 class RequestOutput:
@@ -50,4 +57,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # The engine's weight version when this output was produced (see update_weights).
+    weight_version: int = 0
     extra: dict[str, object] = field(default_factory=dict)

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+LOGPROBS_MODES = ("processed", "raw")
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
     `temperature=0` means greedy. `logprobs=N` returns the sampled token's logprob plus the top N
-    of the model's raw distribution (before temperature and penalties).
+    of one distribution, chosen by `logprobs_mode`:
+
+    - "processed" (default): the distribution the token was actually drawn from, after
+      penalties, temperature, top-k, top-p and min-p. Truncation renormalises over the kept
+      tokens (dropped ones get -inf), so with top-k/top-p the logprobs are those of the
+      truncated distribution. Greedy rows use the penalised logits without temperature.
+    - "raw": the model's own distribution, log_softmax of its logits, before any processing.
     """
 
     n: int = 1
@@ -29,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprobs_mode: str = "processed"
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -83,6 +92,11 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             "logprobs",
             f"must be an integer in [0, 20], got {self.logprobs}",
+        )
+        _check(
+            self.logprobs_mode in LOGPROBS_MODES,
+            "logprobs_mode",
+            f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),

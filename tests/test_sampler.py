@@ -113,9 +113,9 @@ def test_min_tokens_bans_eos_and_stop_tokens():
     assert sample(logits, batch_for([params], outputs=[[1, 1]])).token_ids == [0]
 
 
-def test_logprobs_are_from_the_raw_distribution_with_ranks():
+def test_raw_logprobs_mode_reports_the_model_distribution_with_ranks():
     logits = torch.tensor([[1.0, 3.0, 2.5, 0.0]])
-    params = SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0)
+    params = SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0, logprobs_mode="raw")
     out = sample(logits, batch_for([params], outputs=[[1]]))
     raw = torch.log_softmax(logits, dim=-1)[0]
     # The penalty (3 / 2 = 1.5) moves the choice to token 2, the raw distribution's second.
@@ -124,3 +124,22 @@ def test_logprobs_are_from_the_raw_distribution_with_ranks():
     assert out.ranks[0] == 2
     assert out.top_ids[0] == [1, 2]
     assert out.top_logprobs[0] == pytest.approx([raw[1].item(), raw[2].item()])
+
+
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from():
+    logits = torch.tensor([[1.0, 3.0, 2.5, 0.0]])
+    # Greedy with a penalty on the prompt token 0 and the output token 1: the penalised
+    # logits, where token 2 now ranks first.
+    greedy = SamplingParams(temperature=0, logprobs=1, repetition_penalty=2.0)
+    out = sample(logits, batch_for([greedy], outputs=[[1]]))
+    penalised = torch.log_softmax(torch.tensor([0.5, 1.5, 2.5, 0.0]), dim=-1)
+    assert out.token_ids == [2] and out.ranks == [1]
+    assert out.logprobs[0] == pytest.approx(penalised[2].item())
+    # Temperature and top-k: log_softmax(logits / T) renormalised over the kept tokens.
+    hot = SamplingParams(temperature=0.5, top_k=2, logprobs=3, seed=1)
+    out = sample(logits, batch_for([hot]))
+    kept = torch.log_softmax(torch.tensor([3.0, 2.5]) / 0.5, dim=-1)
+    assert out.token_ids[0] in (1, 2)
+    assert out.logprobs[0] == pytest.approx(kept[out.token_ids[0] - 1].item())
+    assert out.top_logprobs[0][:2] == pytest.approx(kept.tolist())
+    assert out.top_logprobs[0][2] == float("-inf")

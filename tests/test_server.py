@@ -293,3 +293,29 @@ def test_metrics_parse_and_move(client, server):
         "forklift:request_queue_time_seconds_count{}",
     ):
         assert name in after
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, server):
+    url = server[0]
+
+    def hits() -> float:
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for sample in family.samples:
+                if sample.name == "forklift:prefix_cache_hits_total":
+                    return sample.value
+        raise AssertionError("no prefix-cache hit counter")
+
+    prompt = "A long shared preamble about forklifts and warehouses. " * 8
+    body = {"ignore_eos": True, "cache_salt": "test-prefix"}
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=body)
+    before = hits()
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=body)
+    time.sleep(0.2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 16 == 0
+    assert hits() == before + cached
+    other_salt = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={**body, "cache_salt": "other"}
+    )
+    assert other_salt.usage.prompt_tokens_details.cached_tokens == 0

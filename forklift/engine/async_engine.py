@@ -13,11 +13,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from forklift.engine.engine import LLMEngine, PromptType
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger("forklift")
 
@@ -66,6 +70,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step
         self._commands: deque[_Add | _Abort] = deque()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -145,11 +150,29 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
         self._wake.set()
 
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run `fn(engine)` on the engine thread between two steps (also while paused).
+
+        The way to touch engine state from outside: weights, the prefix cache, sleep."""
+        future: Future[T] = Future()
+        if self._error is not None:
+            future.set_exception(EngineDeadError(f"the engine stopped: {self._error}"))
+            return future
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
     def pause(self) -> None:
         """Stop stepping after the current step; requests keep queueing until `resume`.
 
         For callers that must hold the engine still (e.g. while swapping weights)."""
         self._unpaused.clear()
+        self._wake.set()
 
     def resume(self) -> None:
         self._unpaused.set()
@@ -165,7 +188,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped:
-                self._unpaused.wait()
+                self._run_calls()
+                if not self._unpaused.is_set():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=1.0)
@@ -182,6 +209,24 @@ class AsyncEngine:
                 streams = list(self._streams.values())
             for stream in streams:
                 stream.put(EngineDeadError(f"the engine stopped: {exc}"))
+            with self._lock:
+                calls = list(self._calls)
+                self._calls.clear()
+            for _, future in calls:
+                future.set_exception(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # handed to the caller, the engine carries on
+                future.set_exception(exc)
 
     def _apply_commands(self) -> None:
         while True:

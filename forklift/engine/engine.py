@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from forklift.engine.output_processor import (
 from forklift.engine.request import FinishReason, Request
 from forklift.engine.scheduler import Scheduler, SchedulerOutput
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
+from forklift.model.weight_update import WeightUpdater
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.model_runner import ModelRunner
 from forklift.sampling.sampler import SamplerOutput
@@ -33,6 +35,11 @@ logger = logging.getLogger("forklift")
 
 # Distinct seeds for the n sequences of one seeded request; sequence 0 keeps the user's seed.
 _SEQUENCE_SEED_STRIDE = 0x9E3779B97F4A7C1
+
+
+def sample_seed(request_seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with `n > 1` samples."""
+    return (request_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62)
 
 
 PromptType = str | list[int] | dict[str, Any]
@@ -52,6 +59,21 @@ class StepRecord:
     num_batched_tokens: int
     num_sampled: int
     num_preempted: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and found there, since the start."""
+
+    enabled: bool
+    query_tokens: int
+    hit_tokens: int
+    cached_blocks: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 class LLMEngine:
@@ -83,7 +105,14 @@ class LLMEngine:
         )
         self._check_kv_fits()
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
-        self.kv_cache = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(
+            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # Bumped by every weight update; the prefix cache keys on it.
+        self.weight_version = 0
+        self._weight_updater = WeightUpdater(self.runner.model, self.model_config)
+        # 0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed.
+        self.sleep_level = 0
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.resolve_max_num_batched_tokens()
         )
@@ -193,10 +222,13 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request; invalid input raises ValueError and leaves the engine untouched."""
+        if self.sleep_level:
+            raise ValueError("the engine is asleep: call wake_up() before generating")
         params = params or SamplingParams()
         params.validate()
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids)
+        cache_key = self._cache_key(prompt)
         if request_id is None:
             request_id = self._fresh_id()
         if request_id in self._parents:
@@ -217,18 +249,35 @@ class LLMEngine:
                 request_id=seq_id,
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
-                seed=(base_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62),
+                seed=sample_seed(base_seed, index),
                 max_tokens=max_tokens,
                 eos_token_ids=frozenset(eos),
                 arrival_time=metrics.arrival_time,
+                cache_key=cache_key,
             )
             sequence = Sequence(index, request, self.output_processor.new_detokenizer(request))
             parent.sequences.append(sequence)
             self._sequences[seq_id] = (parent, sequence)
         self._parents[request_id] = parent
+        leader, *followers = [sequence.request for sequence in parent.sequences]
+        if len(prompt_ids) > self.config.block_size:  # else there is no full block to share
+            leader.followers = followers
+            for follower in followers:
+                follower.prefix_leader = leader
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
         return request_id
+
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """The prompt dict's `cache_salt`: requests with different salts share no blocks."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        return salt
+
+    def _cache_key(self, prompt: PromptType) -> bytes:
+        return repr((self.weight_version, self.cache_salt(prompt))).encode()
 
     def _fresh_id(self) -> str:
         while True:
@@ -250,7 +299,7 @@ class LLMEngine:
                 self.scheduler.finish(sequence.request, FinishReason.ABORT)
                 self._sequences.pop(sequence.request.request_id, None)
             parent.metrics.finished_time = time.time()
-            outputs.append(parent.to_output())
+            outputs.append(self._output(parent))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -335,7 +384,78 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for sequence in parent.sequences:
                 self._sequences.pop(sequence.request.request_id, None)
-        return parent.to_output()
+        return self._output(parent)
+
+    def _output(self, parent: ParentRequest) -> RequestOutput:
+        output = parent.to_output()
+        output.weight_version = self.weight_version
+        return output
+
+    # ---- weights and memory, for RL loops --------------------------------------------------
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], finalize: bool = True
+    ) -> int:
+        """Load HF-named tensors (any order, any subset) into the model.
+
+        With `finalize=False` they are only checked and staged, so an update can arrive in
+        pieces; the call with `finalize=True` swaps everything staged in at once, bumps
+        `weight_version` and retires the prefix cache. A bad name, shape or dtype raises
+        ValueError, drops the pending update and leaves the old weights whole. Requests
+        already running continue with the new weights. Returns the number of tensors staged
+        (or applied, when finalizing).
+        """
+        if self.sleep_level >= 2:
+            raise ValueError("the weights were dropped by sleep(level=2): call wake_up() first")
+        staged = self._weight_updater.stage(named_tensors)
+        if not finalize:
+            return staged
+        applied = self._weight_updater.commit()
+        self.weight_version += 1
+        self.kv_cache.reset_prefix_cache()
+        return applied
+
+    @property
+    def num_staged_weights(self) -> int:
+        return self._weight_updater.num_staged
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and also the weights (level 2) for a trainer's use.
+
+        Only between requests: in-flight requests must finish or be aborted first."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished_requests():
+            raise ValueError("cannot sleep with requests in flight: finish or abort them first")
+        self.kv_cache.reset_prefix_cache()
+        self.runner.free_kv_cache()
+        if level == 2:
+            self._weight_updater.discard()
+            self.runner.free_weights()
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed; weights dropped at level 2 are reloaded from the
+        model source (push newer ones with `update_weights` afterwards)."""
+        if self.sleep_level == 0:
+            return
+        if self.sleep_level == 2:
+            self.runner.reload_weights(iter_model_weights(self.model_source, self.model_config))
+            self._weight_updater = WeightUpdater(self.runner.model, self.model_config)
+            self.weight_version += 1
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self.sleep_level = 0
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block so none is reused; returns how many were dropped."""
+        return self.kv_cache.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        kv = self.kv_cache
+        return PrefixCacheStats(
+            kv.enable_prefix_caching, kv.num_query_tokens, kv.num_hit_tokens,
+            kv.pool.num_cached_blocks, kv.pool.num_evictions,
+        )  # fmt: skip
 
     # ---- introspection ------------------------------------------------------------------
     @property

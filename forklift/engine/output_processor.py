@@ -63,6 +63,7 @@ class ParentRequest:
             outputs=[s.completion() for s in self.sequences],
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=self.sequences[0].request.num_cached_tokens,
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -131,64 +132,87 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            target = _target_for(hf_name, self.config)
-            if target is None:
+            slot = weight_slot(hf_name, self.config)
+            if slot is None:
                 continue
-            name, row_offset = target
-            if name not in params:
+            if slot.param not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            param = params[name]
-            rows = tensor.shape[0]
-            dest = param.data[row_offset : row_offset + rows] if row_offset >= 0 else param.data
+            dest = slot.view(params[slot.param].data)
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            loaded.add(f"{name}@{row_offset}")
+            loaded.add(slot.key)
         self._check_complete(loaded)
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set()
         for hf_name in _expected_hf_names(self.config):
-            name, offset = _target_for(hf_name, self.config) or ("", 0)
-            expected.add(f"{name}@{offset}")
+            slot = weight_slot(hf_name, self.config)
+            if slot is not None:
+                expected.add(slot.key)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
 
 
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one HF tensor lives in forklift's model: a parameter, or rows of a fused one."""
+
+    param: str
+    row_offset: int = 0
+    rows: int | None = None  # None: the whole parameter
+
+    @property
+    def key(self) -> str:
+        return f"{self.param}@{self.row_offset}"
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return data
+        return data[self.row_offset : self.row_offset + self.rows]
+
+
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def _target_for(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
-    """HF parameter name -> (forklift parameter, row offset into it; -1 for the whole tensor)."""
+def is_ignored_hf_name(hf_name: str, config: ModelConfig) -> bool:
+    """Names a checkpoint may carry that forklift has no use for."""
+    return hf_name.endswith("rotary_emb.inv_freq") or (
+        hf_name == "lm_head.weight" and config.tie_word_embeddings
+    )
+
+
+def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
+    """HF parameter name -> its slot in forklift's model; None for names it does not use."""
+    if is_ignored_hf_name(hf_name, config):
+        return None
     if hf_name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", -1
+        return WeightSlot("embed_tokens.weight")
     if hf_name == "model.norm.weight":
-        return "norm.weight", -1
+        return WeightSlot("norm.weight")
     if hf_name == "lm_head.weight":
-        return None if config.tie_word_embeddings else ("lm_head.weight", -1)
+        return WeightSlot("lm_head.weight")
     match = _LAYER_RE.fullmatch(hf_name)
     if match is None:
-        return None  # e.g. rotary inv_freq buffers in older checkpoints
+        return None
     prefix, rest = f"layers.{match.group(1)}.", match.group(2)
-    q, kv = config.q_size, config.kv_size
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", config.intermediate_size),
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
     }
     module, _, kind = rest.rpartition(".")
     if module in fused:
-        fused_name, offset = fused[module]
-        return f"{prefix}{fused_name}.{kind}", offset
-    if rest.endswith("rotary_emb.inv_freq"):
-        return None
-    return prefix + rest, -1
+        fused_name, offset, rows = fused[module]
+        return WeightSlot(f"{prefix}{fused_name}.{kind}", offset, rows)
+    return WeightSlot(prefix + rest)
 
 
 def _expected_hf_names(config: ModelConfig) -> list[str]:

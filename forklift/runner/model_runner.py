@@ -64,6 +64,7 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.model = build_model(model_config, weights, device, dtype, max_model_len)
         self.kv_caches: list[KVCache] = []
+        self._kv_cache_tensor: torch.Tensor | None = None
 
     # ---- memory -------------------------------------------------------------------------
     def plan_kv_cache(
@@ -107,7 +108,7 @@ class ModelRunner:
             rows = min(max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             logits.sort(dim=-1)
-        self.kv_caches = []
+        self.free_kv_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
@@ -116,7 +117,28 @@ class ModelRunner:
         # block, which pads every gather, must hold zeros.
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         cache[:, :, 0].zero_()
+        self._kv_cache_tensor = cache
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        cache = self._kv_cache_tensor
+        return 0 if cache is None else cache.numel() * cache.element_size()
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+        self._kv_cache_tensor = None
+
+    def free_weights(self) -> None:
+        """Release every parameter's storage; `reload_weights` brings them back."""
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model = build_model(
+            self.model_config, weights, self.device, self.dtype, self.max_model_len
+        )
 
     # ---- one step -----------------------------------------------------------------------
     def execute(

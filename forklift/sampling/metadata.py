@@ -25,6 +25,7 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     num_logprobs: list[int | None]
+    raw_logprobs: torch.Tensor  # [N] bool: logprobs of the raw distribution, not the processed
 
     @property
     def all_greedy(self) -> bool:
@@ -77,6 +78,9 @@ class SamplingBatch:
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             num_logprobs=[p.logprobs for p in params],
+            raw_logprobs=torch.tensor(
+                [p.logprobs_mode == "raw" for p in params], dtype=torch.bool, device=device
+            ),
         )
 
 

@@ -20,7 +20,7 @@ _MASK_63 = (1 << 63) - 1
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Raw-distribution logprob of each sampled token and its rank (1 = most likely).
+    # Logprob of each sampled token (see SamplingParams.logprobs_mode) and its rank.
     logprobs: list[float] | None
     ranks: list[int] | None
     # Top-N (ids, logprobs) per row, N = the largest `logprobs` asked for in the batch.
@@ -31,16 +31,25 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [N, vocab] float32."""
     num_logprobs = batch.max_num_logprobs
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
+    raw = logits
     logits = _ban_tokens(logits, batch.banned_token_ids)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
     token_ids = logits.argmax(dim=-1)
+    processed = logits
     if not batch.all_greedy:
-        token_ids = torch.where(batch.temperature == 0, token_ids, _sample_random(logits, batch))
+        greedy = batch.temperature == 0
+        processed = _process_for_sampling(logits, batch)
+        gumbel = -torch.log(-torch.log(hashed_uniform(batch.seeds, batch.steps, logits.shape[1])))
+        drawn = (processed + gumbel).argmax(dim=-1)
+        token_ids = torch.where(greedy, token_ids, drawn)
+        # Greedy rows report the penalised logits (a point mass has no useful logprobs).
+        processed = torch.where(greedy[:, None], logits, processed)
     out = SamplerOutput(token_ids.tolist(), None, None, None, None)
-    if raw_logprobs is not None and num_logprobs is not None:
-        _attach_logprobs(out, raw_logprobs, token_ids, num_logprobs)
+    if num_logprobs is not None:
+        if bool(batch.raw_logprobs.any()):
+            processed = torch.where(batch.raw_logprobs[:, None], raw, processed)
+        _attach_logprobs(out, torch.log_softmax(processed, dim=-1), token_ids, num_logprobs)
     return out
 
 
@@ -82,7 +91,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty[:, None] * (output_counts > 0).float()
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _process_for_sampling(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p truncation (dropped tokens become -inf)."""
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     logits = logits / temperature[:, None]
     if batch.needs_top_k_top_p:
@@ -91,8 +101,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
         threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    gumbel = -torch.log(-torch.log(hashed_uniform(batch.seeds, batch.steps, logits.shape[1])))
-    return (logits + gumbel).argmax(dim=-1)
+    return logits
 
 
 def _apply_top_k_top_p(
@@ -129,12 +138,12 @@ def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _attach_logprobs(
-    out: SamplerOutput, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num: int
+    out: SamplerOutput, logprobs: torch.Tensor, token_ids: torch.Tensor, num: int
 ) -> None:
-    chosen = raw_logprobs.gather(1, token_ids[:, None])
+    chosen = logprobs.gather(1, token_ids[:, None])
     out.logprobs = chosen[:, 0].tolist()
-    out.ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    out.ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     if num > 0:
-        values, ids = raw_logprobs.topk(num, dim=-1)
+        values, ids = logprobs.topk(num, dim=-1)
         out.top_ids = ids.tolist()
         out.top_logprobs = values.tolist()

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forklift import __version__
 from forklift.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from forklift.engine.engine import LLMEngine
+from forklift.server.admin import ADMIN_PATHS, add_admin_routes
 from forklift.server.chat import chat_prompt_ids, create_chat_completion
 from forklift.server.completions import create_completion
 from forklift.server.errors import APIError, error_response
@@ -50,6 +51,7 @@ def build_app(
     if api_key is not None:
         _install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)
+    add_admin_routes(app, ctx)
     return app
 
 
@@ -151,7 +153,8 @@ def _install_api_key_check(app: FastAPI, api_key: str) -> None:
     async def check_key(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if request.url.path.startswith("/v1"):
+        path = request.url.path
+        if path.startswith("/v1") or path in ADMIN_PATHS:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid API key")

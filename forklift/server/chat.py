@@ -56,7 +56,7 @@ async def create_chat_completion(
     prompt = chat_prompt_ids(
         ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )
-    run = launch(ctx, "chatcmpl", [prompt], params)
+    run = launch(ctx, "chatcmpl", [prompt], params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)

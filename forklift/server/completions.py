@@ -39,7 +39,7 @@ async def create_completion(
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     params = make_params(body, body.max_tokens, body.logprobs)
-    run = launch(ctx, "cmpl", prompt_list(ctx, body.prompt), params)
+    run = launch(ctx, "cmpl", prompt_list(ctx, body.prompt), params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)

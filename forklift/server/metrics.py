@@ -29,6 +29,8 @@ class ServerMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _progress: dict[str, _Progress] = field(default_factory=dict)
     _seen_preemptions: int = 0
+    _seen_prefix_queries: int = 0
+    _seen_prefix_hits: int = 0
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -44,6 +46,12 @@ class ServerMetrics:
             "forklift:generation_tokens", "Generated tokens", registry=r
         )
         self.preemptions = Counter("forklift:num_preemptions", "Preemptions", registry=r)
+        self.prefix_queries = Counter(
+            "forklift:prefix_cache_queries", "Tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "forklift:prefix_cache_hits", "Tokens found in the prefix cache", registry=r
+        )
         self.finished = Counter(
             "forklift:request_success",
             "Finished requests by reason",
@@ -68,6 +76,10 @@ class ServerMetrics:
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
             self._seen_preemptions = scheduler.num_preemptions
+        stats = engine.prefix_cache_stats()
+        self.prefix_queries.inc(stats.query_tokens - self._seen_prefix_queries)
+        self.prefix_hits.inc(stats.hit_tokens - self._seen_prefix_hits)
+        self._seen_prefix_queries, self._seen_prefix_hits = stats.query_tokens, stats.hit_tokens
         now = time.time()
         for output in outputs:
             self._observe_output(output, now)

@@ -39,6 +39,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs_mode: str = "processed"
+    # Requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -58,6 +61,7 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logprobs_mode=self.logprobs_mode,
             skip_special_tokens=self.skip_special_tokens,
         )
 

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
@@ -49,7 +50,11 @@ class Launch:
 
 
 def launch(
-    ctx: ServerContext, prefix: str, prompts: list[list[int]], params: SamplingParams
+    ctx: ServerContext,
+    prefix: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    cache_salt: str | None = None,
 ) -> Launch:
     """Validate every prompt first, then start them all; a bad one starts none."""
     engine = ctx.async_engine
@@ -59,8 +64,12 @@ def launch(
         raise bad_request(exc) from exc
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
     streams = engine.submit(
-        [(f"{response_id}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(ids)],
+        [
+            (f"{response_id}-{i}", {"prompt_token_ids": p, **salt}, params)
+            for i, p in enumerate(ids)
+        ],
         arrival,
     )
     return Launch(response_id, int(arrival), ids, merge_streams(streams))
@@ -75,13 +84,15 @@ def make_params(
         raise bad_request(exc) from exc
 
 
-def usage(prompt_ids: list[list[int]], finals: list[RequestOutput | None]) -> dict[str, int]:
+def usage(prompt_ids: list[list[int]], finals: list[RequestOutput | None]) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in prompt_ids)
     completion_tokens = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    cached_tokens = sum(f.num_cached_tokens for f in finals if f is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
