@@ -1,4 +1,4 @@
-"""`forklift generate | chat | serve | tokenizer export | kv-calc | bench`: the command line."""
+"""The command line: generate, chat, serve, tokenizer export, kv-calc, bench, rl."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from forklift.bench.cli import add_bench_parser
 from forklift.bench.kv_calc import add_kv_calc_parser
 from forklift.config import EngineConfig
+from forklift.rl.cli import add_rl_parser
 from forklift.sampling_params import SamplingParams
 
 
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kv_calc_parser(sub)
     add_bench_parser(sub)
+    add_rl_parser(sub)
     return parser
 
 

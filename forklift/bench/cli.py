@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from forklift.rl.cli import add_bench_grpo_parser
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (reports go to --out-dir)")
@@ -18,6 +20,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_memory(bench_sub)
     _add_throughput(bench_sub)
     _add_serve(bench_sub)
+    _add_prefix(bench_sub)
+    add_bench_grpo_parser(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -168,3 +172,35 @@ def _serve_command(args: argparse.Namespace) -> str:
     for server_arg in args.server_arg:
         command.append(f"--server-arg={server_arg}")
     return shlex.join(command)
+
+
+def _add_prefix(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "prefix", help="prefix caching on vs off; n-sample groups vs independent requests"
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_prefix)
+
+
+def _cmd_prefix(args: argparse.Namespace) -> int:
+    from forklift.bench.prefix import (
+        PrefixSettings,
+        render_markdown,
+        run_prefix_bench,
+        write_report,
+    )
+
+    overrides = {"model": args.model, "dtype": args.dtype}
+    settings = (PrefixSettings.quick if args.quick else PrefixSettings)(**overrides)
+    report = run_prefix_bench(settings)
+    command = ["forklift", "bench", "prefix"] + (["--quick"] if args.quick else [])
+    command += ["--model", args.model] if args.model else []
+    command += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    report["command"] = shlex.join(command)
+    for path in write_report(report, Path(args.out_dir)):
+        print(f"wrote {path}")
+    print(render_markdown(report))
+    return 0

@@ -1,0 +1,1 @@
+"""Reinforcement learning with forklift rollouts: tasks with exact checkers and a GRPO loop."""

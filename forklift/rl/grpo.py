@@ -1,0 +1,226 @@
+"""A compact GRPO loop colocated with the engine.
+
+Each step: sample `group_size` completions for each of `prompts_per_step` problems, score
+them with the task's exact checker, normalise rewards within each group (the advantage),
+take one AdamW step on the clipped-ratio objective (plus an optional KL term to the initial
+policy), and push the new weights into the engine with `update_weights`.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from forklift.bench.hf_baseline import load_hf_model
+from forklift.llm import LLM
+from forklift.rl.rollouts import Rollout, forklift_rollouts, hf_rollouts
+from forklift.rl.tasks import get_task
+
+
+@dataclass
+class GRPOConfig:
+    model: str | None = None
+    task: str = "arithmetic"
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 2e-5
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    rollout: str = "forklift"  # or "hf": the same loop with HF generate() rollouts
+    micro_batch: int = 16
+    seed: int = 0
+    # The engine's share of memory; the rest is the trainer's (the seed used 0.35).
+    gpu_memory_utilization: float = 0.35
+    max_model_len: int = 512
+
+    def validate(self) -> None:
+        if self.rollout not in ("forklift", "hf"):
+            raise ValueError(f"rollout must be 'forklift' or 'hf', got {self.rollout!r}")
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: advantages compare samples of a group")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class StepStats:
+    step: int
+    reward_mean: float
+    generation_s: float
+    training_s: float
+    weight_sync_s: float
+    step_s: float
+    num_samples: int
+    mean_completion_tokens: float
+    loss: float
+    # Mean |ratio - 1| at the update: how far trainer and sampler logprobs disagree.
+    ratio_deviation: float
+
+    def line(self) -> str:
+        return (
+            f"step {self.step:3d}  reward {self.reward_mean:.3f}  gen {self.generation_s:.2f}s  "
+            f"train {self.training_s:.2f}s  sync {self.weight_sync_s:.2f}s  "
+            f"step {self.step_s:.2f}s  |ratio-1| {self.ratio_deviation:.2e}"
+        )
+
+
+def group_advantages(rewards: list[float], groups: list[int]) -> list[float]:
+    """(reward - group mean) / (group std + eps): zero for a group whose rewards are equal."""
+    by_group: dict[int, list[float]] = {}
+    for reward, group in zip(rewards, groups, strict=True):
+        by_group.setdefault(group, []).append(reward)
+    stats = {g: (statistics.fmean(r), statistics.pstdev(r)) for g, r in by_group.items()}
+    return [(r - stats[g][0]) / (stats[g][1] + 1e-4) for r, g in zip(rewards, groups, strict=True)]
+
+
+def completion_logprobs(
+    model: torch.nn.Module, rollouts: list[Rollout], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, C] logprobs of each completion token under log_softmax(logits / T), and its mask."""
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    width, longest = max(lengths), max(len(r.completion_ids) for r in rollouts)
+    ids = torch.zeros((len(rollouts), width), dtype=torch.long)
+    attention = torch.zeros((len(rollouts), width), dtype=torch.long)
+    for row, r in enumerate(rollouts):
+        ids[row, : lengths[row]] = torch.tensor(r.prompt_ids + r.completion_ids)
+        attention[row, : lengths[row]] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    mask = torch.zeros((len(rollouts), longest))
+    rows = []
+    for row, r in enumerate(rollouts):
+        start, count = len(r.prompt_ids), len(r.completion_ids)
+        # The token at position p is predicted by the logits at p - 1.
+        step_logits = logits[row, start - 1 : start - 1 + count].float() / temperature
+        chosen = torch.tensor(r.completion_ids)[:, None]
+        rows.append(torch.log_softmax(step_logits, dim=-1).gather(1, chosen)[:, 0])
+        mask[row, :count] = 1
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), mask
+
+
+class GRPOTrainer:
+    def __init__(self, config: GRPOConfig, llm: LLM | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.task = get_task(config.task)
+        torch.manual_seed(config.seed)
+        self.llm = llm or LLM(
+            model=config.model,
+            dtype="float32",
+            max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+        engine = self.llm.llm_engine
+        if engine.tokenizer is None:
+            raise ValueError("GRPO needs a model with a tokenizer for its prompts and checker")
+        self.tokenizer = engine.tokenizer
+        self.policy = load_hf_model(engine.model_source, engine.model_config, torch.float32)
+        self.policy.train()
+        self.reference = (
+            copy.deepcopy(self.policy).eval().requires_grad_(False) if config.kl_coef else None
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=config.learning_rate, weight_decay=0.0
+        )
+        # Start the engine from exactly the trainer's weights.
+        self._sync_weights()
+
+    def _encode(self, question: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _sync_weights(self) -> float:
+        start = time.perf_counter()
+        if self.config.rollout == "forklift":
+            self.llm.update_weights(
+                (name, tensor.detach()) for name, tensor in self.policy.state_dict().items()
+            )
+        return time.perf_counter() - start
+
+    def step(self, index: int) -> StepStats:
+        cfg = self.config
+        start = time.perf_counter()
+        problems = self.task.problems(cfg.prompts_per_step, seed=cfg.seed * 100_003 + index)
+        prompts = [self._encode(p.question) for p in problems]
+        seed = cfg.seed * 1_000_003 + index * 1_009
+        if cfg.rollout == "forklift":
+            rollouts = forklift_rollouts(
+                self.llm, prompts, cfg.group_size, cfg.temperature, cfg.max_tokens, seed
+            )
+        else:
+            self.policy.eval()
+            rollouts = hf_rollouts(
+                self.policy, self.tokenizer, prompts, cfg.group_size, cfg.temperature,
+                cfg.max_tokens, seed,
+            )  # fmt: skip
+        generation_s = time.perf_counter() - start
+        for r in rollouts:
+            r.reward = self.task.reward(problems[r.group], r.text)
+        rewards = [r.reward for r in rollouts]
+        advantages = group_advantages(rewards, [r.group for r in rollouts])
+
+        train_start = time.perf_counter()
+        loss, deviation = self._update(rollouts, advantages)
+        training_s = time.perf_counter() - train_start
+        sync_s = self._sync_weights()
+        return StepStats(
+            step=index,
+            reward_mean=statistics.fmean(rewards),
+            generation_s=generation_s,
+            training_s=training_s,
+            weight_sync_s=sync_s,
+            step_s=time.perf_counter() - start,
+            num_samples=len(rollouts),
+            mean_completion_tokens=statistics.fmean(len(r.completion_ids) for r in rollouts),
+            loss=loss,
+            ratio_deviation=deviation,
+        )
+
+    def _update(self, rollouts: list[Rollout], advantages: list[float]) -> tuple[float, float]:
+        """One optimizer step on the token-mean clipped objective, in micro-batches."""
+        cfg = self.config
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(len(r.completion_ids) for r in rollouts)
+        loss_sum, deviation_sum = 0.0, 0.0
+        for begin in range(0, len(rollouts), cfg.micro_batch):
+            chunk = rollouts[begin : begin + cfg.micro_batch]
+            adv = torch.tensor(advantages[begin : begin + cfg.micro_batch])[:, None]
+            new, mask = completion_logprobs(self.policy, chunk, cfg.temperature)
+            old = torch.nn.utils.rnn.pad_sequence(
+                [torch.tensor(r.logprobs) for r in chunk], batch_first=True
+            )
+            ratio = torch.exp(new - old)
+            clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
+            per_token = -torch.minimum(ratio * adv, clipped * adv)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = completion_logprobs(self.reference, chunk, cfg.temperature)
+                log_ratio = ref - new  # k3 estimator of KL(policy || reference)
+                per_token = per_token + cfg.kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+            loss = (per_token * mask).sum() / total_tokens
+            loss.backward()
+            loss_sum += loss.item()
+            deviation_sum += ((ratio.detach() - 1).abs() * mask).sum().item()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+        self.optimizer.step()
+        return loss_sum, deviation_sum / total_tokens
+
+    def run(self, on_step: Callable[[StepStats], None] | None = None) -> list[StepStats]:
+        history = []
+        for index in range(self.config.steps):
+            stats = self.step(index)
+            history.append(stats)
+            if on_step is not None:
+                on_step(stats)
+        return history

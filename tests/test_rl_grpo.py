@@ -1,0 +1,61 @@
+"""The GRPO loop: advantages, the task checker, and `forklift bench grpo --quick` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forklift.cli import main
+from forklift.rl.grpo import GRPOConfig, group_advantages
+from forklift.rl.tasks import ArithmeticTask, Problem, get_task
+
+
+def test_group_advantages_normalise_within_groups():
+    advantages = group_advantages([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0, 1, 1])
+    assert advantages[:4] == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-3)
+    assert advantages[4:] == [0.0, 0.0]  # a group that agrees teaches nothing
+
+
+def test_arithmetic_task_checks_exactly():
+    task = ArithmeticTask()
+    problems = task.problems(50, seed=1)
+    assert problems == task.problems(50, seed=1)
+    for problem in problems:
+        a, op, b = problem.question.split("?")[0].removeprefix("What is ").split()
+        assert int(problem.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    seven = Problem("What is 3 + 4?", "7")
+    assert task.reward(seven, " 7") == 1.0
+    assert task.reward(seven, "The answer is 7.") == 1.0
+    assert task.reward(seven, "17") == 0.0
+    assert task.reward(seven, "seven") == 0.0
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("chess")
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=1).validate()
+
+
+def test_quick_grpo_bench(tmp_path):
+    assert main(["bench", "grpo", "--quick", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "grpo.json").read_text())
+    assert (tmp_path / "grpo.md").read_text().startswith("# GRPO")
+    assert (tmp_path / "grpo.png").stat().st_size > 0
+    config = report["config"]
+    assert len(report["forklift"]) == config["steps"] and len(report["hf"]) == report["hf_steps"]
+    samples = config["prompts_per_step"] * config["group_size"]
+    for step in report["forklift"] + report["hf"]:
+        assert step["num_samples"] == samples
+        assert 0.0 <= step["reward_mean"] <= 1.0
+        assert 1 <= step["mean_completion_tokens"] <= config["max_tokens"]
+        assert step["step_s"] >= step["generation_s"] + step["training_s"]
+    # The engine's logprobs are the trainer's at every step: the ratio is 1 before each
+    # update, which also shows each update reached the engine.
+    assert all(step["ratio_deviation"] < 1e-3 for step in report["forklift"])
+    assert report["hf"][0]["ratio_deviation"] < 1e-3
+    summary = report["summary"]
+    assert report["generation_speedup"] == pytest.approx(
+        summary["hf"]["generation_s"] / summary["forklift"]["generation_s"]
+    )
+    assert report["step_speedup"] == pytest.approx(
+        summary["hf"]["step_s"] / summary["forklift"]["step_s"]
+    )
