@@ -22,12 +22,13 @@ def test_arithmetic_task_checks_exactly():
     problems = task.problems(50, seed=1)
     assert problems == task.problems(50, seed=1)
     for problem in problems:
-        a, op, b = problem.question.split("?")[0].removeprefix("What is ").split()
-        assert int(problem.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        a, op, b = problem.question.removeprefix("What is ").removesuffix("?").split()
+        assert op == "+" and int(problem.answer) == int(a) + int(b)
     seven = Problem("What is 3 + 4?", "7")
     assert task.reward(seven, " 7") == 1.0
-    assert task.reward(seven, "The answer is 7.") == 1.0
-    assert task.reward(seven, "17") == 0.0
+    assert task.reward(seven, "3 + 4 = 7.") == 1.0
+    assert task.reward(seven, "3 + 4 = 17") == 0.0
+    assert task.reward(seven, "The sum of 3 and") == 0.0
     assert task.reward(seven, "seven") == 0.0
     with pytest.raises(ValueError, match="unknown task"):
         get_task("chess")

@@ -29,9 +29,9 @@ class GRPOConfig:
     steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
-    max_tokens: int = 8
+    max_tokens: int = 12
     temperature: float = 1.0
-    learning_rate: float = 2e-5
+    learning_rate: float = 3e-5
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     rollout: str = "forklift"  # or "hf": the same loop with HF generate() rollouts
@@ -95,13 +95,16 @@ def completion_logprobs(
     for row, r in enumerate(rollouts):
         ids[row, : lengths[row]] = torch.tensor(r.prompt_ids + r.completion_ids)
         attention[row, : lengths[row]] = 1
-    logits = model(input_ids=ids, attention_mask=attention).logits
+    # Only completion positions need logits: the vocabulary projection is the costliest
+    # matmul of the step, and prompts are most of each sequence.
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=attention).last_hidden_state
+    head = model.get_output_embeddings()
     mask = torch.zeros((len(rollouts), longest))
     rows = []
     for row, r in enumerate(rollouts):
         start, count = len(r.prompt_ids), len(r.completion_ids)
-        # The token at position p is predicted by the logits at p - 1.
-        step_logits = logits[row, start - 1 : start - 1 + count].float() / temperature
+        # The token at position p is predicted by the hidden state at p - 1.
+        step_logits = head(hidden[row, start - 1 : start - 1 + count]).float() / temperature
         chosen = torch.tensor(r.completion_ids)[:, None]
         rows.append(torch.log_softmax(step_logits, dim=-1).gather(1, chosen)[:, 0])
         mask[row, :count] = 1

@@ -6,7 +6,7 @@ import random
 import re
 from dataclasses import dataclass
 
-_FIRST_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
@@ -17,28 +17,24 @@ class Problem:
 
 @dataclass(frozen=True)
 class ArithmeticTask:
-    """Small additions and subtractions; the reward is 1 when the first integer of the reply
-    is the answer, else 0."""
+    """Sums of two one-digit numbers. The reward is 1 when the last integer of the reply
+    is the sum, else 0: replies are cut at a few tokens, so the policy must learn to reach
+    the answer quickly (the default model starts verbose, at about 20% at temperature 1)."""
 
     name: str = "arithmetic"
-    max_operand: int = 20
+    max_operand: int = 9
 
     def problems(self, count: int, seed: int) -> list[Problem]:
         rng = random.Random(seed)
         out = []
         for _ in range(count):
             a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
-            if rng.random() < 0.5:
-                question, answer = f"What is {a} + {b}?", a + b
-            else:
-                a, b = max(a, b), min(a, b)
-                question, answer = f"What is {a} - {b}?", a - b
-            out.append(Problem(f"{question} Reply with only the number.", str(answer)))
+            out.append(Problem(f"What is {a} + {b}?", str(a + b)))
         return out
 
     def reward(self, problem: Problem, completion: str) -> float:
-        match = _FIRST_INTEGER.search(completion)
-        return 1.0 if match is not None and match.group() == problem.answer else 0.0
+        numbers = _INTEGER.findall(completion)
+        return 1.0 if numbers and numbers[-1] == problem.answer else 0.0
 
 
 TASKS = {"arithmetic": ArithmeticTask}
