@@ -7,12 +7,12 @@ generation time per step and total step time, and their ratios (the seed's table
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from forklift.bench.report import write_report_files
 from forklift.rl.grpo import GRPOConfig, GRPOTrainer, StepStats
 
 
@@ -103,14 +103,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "grpo.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path = out_dir / "grpo.md"
-    md_path.write_text(render_markdown(report))
-    png_path = out_dir / "grpo.png"
-    _plot(report, png_path)
-    return [md_path, json_path, png_path]
+    return write_report_files(report, out_dir, "grpo", render_markdown, _plot)
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -99,15 +99,22 @@ def run_static_batches(
     return StaticBatchResult(time.perf_counter() - start, outputs, slots)
 
 
+def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask of a batch, padded on the left as `generate()` wants."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def _generate(
     model: torch.nn.Module, batch: list[list[int]], new_tokens: int, pad_token_id: int
 ) -> list[list[int]]:
-    width = max(len(p) for p in batch)
-    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
+    ids, mask = left_padded(batch, pad_token_id)
+    width = ids.shape[1]
     with torch.inference_mode():
         out = model.generate(
             ids,

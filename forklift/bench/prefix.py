@@ -9,13 +9,13 @@ Both parts run every side in one process on the same model, one engine per side.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from forklift.bench.report import write_report_files
 from forklift.bench.workload import INSTRUCTIONS
 from forklift.engine.engine import LLMEngine, sample_seed
 from forklift.llm import LLM
@@ -244,14 +244,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "prefix.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path = out_dir / "prefix.md"
-    md_path.write_text(render_markdown(report))
-    png_path = out_dir / "prefix.png"
-    _plot(report, png_path)
-    return [md_path, json_path, png_path]
+    return write_report_files(report, out_dir, "prefix", render_markdown, _plot)
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -9,7 +9,6 @@ output tokens with `ignore_eos`, like the seed's serving table.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import nullcontext
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from forklift.bench.report import write_report_files
 from forklift.bench.server_process import forklift_server
 from forklift.bench.stream_client import RequestTiming, request_body, stream_request
 from forklift.bench.synthetic_prompt import synthetic_prompt
@@ -231,14 +231,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str = "serve") -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{name}.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path = out_dir / f"{name}.md"
-    md_path.write_text(render_markdown(report))
-    png_path = out_dir / f"{name}.png"
-    _plot(report, png_path)
-    return [md_path, json_path, png_path]
+    return write_report_files(report, out_dir, name, render_markdown, _plot)
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

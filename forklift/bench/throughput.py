@@ -8,13 +8,13 @@ slots are the "bubbles" of static batching.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from forklift.bench.hf_baseline import load_hf_model, run_static_batches
+from forklift.bench.report import write_report_files
 from forklift.bench.workload import DEFAULT_OUTPUT_LENGTHS, offline_mixed
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
@@ -125,15 +125,8 @@ def _run_forklift(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> Sid
 
 
 def write_report(report: dict[str, Any], out_dir: Path, command: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {**report, "command": command}
-    json_path = out_dir / "throughput.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path = out_dir / "throughput.md"
-    md_path.write_text(render_markdown(report))
-    png_path = out_dir / "throughput.png"
-    _plot(report, png_path)
-    return [md_path, json_path, png_path]
+    return write_report_files(report, out_dir, "throughput", render_markdown, _plot)
 
 
 def render_markdown(report: dict[str, Any]) -> str:

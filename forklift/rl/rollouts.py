@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forklift.bench.hf_baseline import left_padded
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
 
@@ -69,12 +70,8 @@ def hf_rollouts(
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = sorted(tokenizer.eos_token_ids)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
+    ids, mask = left_padded(prompts, pad)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
