@@ -22,6 +22,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_serve(bench_sub)
     _add_prefix(bench_sub)
     add_bench_grpo_parser(bench_sub)
+    _add_decode(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -199,6 +200,42 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     command = ["forklift", "bench", "prefix"] + (["--quick"] if args.quick else [])
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    report["command"] = shlex.join(command)
+    for path in write_report(report, Path(args.out_dir)):
+        print(f"wrote {path}")
+    print(render_markdown(report))
+    return 0
+
+
+def _add_decode(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser("decode", help="decode step time by batch size vs GEMM peak")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_decode)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from forklift.bench.decode import (
+        DecodeSettings,
+        render_markdown,
+        run_decode_bench,
+        write_report,
+    )
+
+    overrides: dict[str, Any] = {"model": args.model, "dtype": args.dtype}
+    if args.batch_sizes is not None:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes}")
+        overrides["batch_sizes"] = sizes
+    report = run_decode_bench((DecodeSettings.quick if args.quick else DecodeSettings)(**overrides))
+    command = ["forklift", "bench", "decode"] + (["--quick"] if args.quick else [])
+    command += ["--model", args.model] if args.model else []
+    command += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    command += ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
     report["command"] = shlex.join(command)
     for path in write_report(report, Path(args.out_dir)):
         print(f"wrote {path}")

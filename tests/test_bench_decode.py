@@ -1,0 +1,38 @@
+"""`forklift bench decode --quick` end to end, and the matrix-work arithmetic it rests on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forklift.bench.decode import linear_weights
+from forklift.cli import main
+
+
+def test_linear_weights_count_every_projection_and_the_head(default_llm_fp32):
+    engine = default_llm_fp32.llm_engine
+    model = engine.runner.model
+    projections = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    config = engine.model_config
+    assert linear_weights(config) == projections + config.vocab_size * config.hidden_size
+
+
+def test_quick_decode_report(tmp_path):
+    assert main(["bench", "decode", "--quick", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode.json").read_text())
+    assert (tmp_path / "decode.md").read_text().startswith("# Decode step time")
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    points = report["points"]
+    assert [p["batch_size"] for p in points] == list(report["settings"]["batch_sizes"])
+    peak = report["gemm_peak_flops_per_s"]
+    assert peak > 0
+    for p in points:
+        step_s = p["step_ms_median"] / 1000
+        assert p["step_ms_min"] <= p["step_ms_median"]
+        assert p["tokens_per_s"] == pytest.approx(p["batch_size"] / step_s)
+        flops = 2 * report["linear_weights"] * p["batch_size"] / step_s
+        assert p["matrix_flops_per_s"] == pytest.approx(flops)
+        assert p["fraction_of_peak"] == pytest.approx(flops / peak)
+    # A bigger batch gets more tokens out of each step.
+    assert points[-1]["tokens_per_s"] > points[0]["tokens_per_s"]
