@@ -23,6 +23,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_prefix(bench_sub)
     add_bench_grpo_parser(bench_sub)
     _add_decode(bench_sub)
+    _add_profile(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -236,6 +237,34 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     command += ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
+    report["command"] = shlex.join(command)
+    for path in write_report(report, Path(args.out_dir)):
+        print(f"wrote {path}")
+    print(render_markdown(report))
+    return 0
+
+
+def _add_profile(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser("profile", help="where a decode step's time goes")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    parser.add_argument("--steps", type=int, default=3, help="profiled decode steps per size")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from forklift.bench.step_profile import render_markdown, run_profile_bench, write_report
+
+    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    if not sizes or min(sizes) < 1 or args.steps < 1:
+        raise ValueError("--batch-sizes and --steps must be positive integers")
+    report = run_profile_bench(args.model, args.dtype, sizes, args.steps)
+    command = ["forklift", "bench", "profile", "--batch-sizes", args.batch_sizes]
+    command += ["--steps", str(args.steps)]
+    command += ["--model", args.model] if args.model else []
+    command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     report["command"] = shlex.join(command)
     for path in write_report(report, Path(args.out_dir)):
         print(f"wrote {path}")

@@ -1,0 +1,142 @@
+"""`forklift bench profile`: where a pure decode step's time goes, by kind of work.
+
+torch.profiler records every operator of a few decode steps. Each operator's own (self)
+CPU time goes to one bucket: matrix work, attention (SDPA and the paged gathers and
+writes), sampling, or other tensor ops (norms, rotary, activations, copies). What the step's
+wall time has beyond all operators is Python and dispatch: scheduling, input preparation,
+output processing. The profiler adds a little overhead of its own to every operator.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from forklift.bench.report import write_report_files
+from forklift.llm import LLM
+from forklift.sampling_params import SamplingParams
+
+CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispatch")
+
+_MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+_ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
+_ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index"}
+_SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
+             "aten::sort", "aten::gather", "aten::softmax", "aten::_softmax"}  # fmt: skip
+
+
+def categorize(op_name: str) -> str:
+    if op_name in _MATRIX:
+        return "matrix"
+    if op_name in _ATTENTION or op_name.startswith(_ATTENTION_PREFIXES):
+        return "attention"
+    if op_name in _SAMPLING:
+        return "sampling"
+    return "other ops"
+
+
+@dataclass
+class StepBreakdown:
+    batch_size: int
+    steps: int
+    wall_ms_per_step: float
+    ms_per_step: dict[str, float]
+
+
+def profile_decode(llm: LLM, batch: int, steps: int, seed: int = 0) -> StepBreakdown:
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+    before = engine.step_log[-1].index if engine.step_log else 0
+    for _ in range(batch):
+        engine.add_request(None, [rng.randrange(vocab) for _ in range(16)], params)
+    # Prefill, then one decode step outside the profile (one-time allocations).
+    engine.step()
+    while engine.step_log[-1].num_batched_tokens != batch or engine.step_log[-1].index <= before:
+        engine.step()
+    first = engine.step_log[-1].index
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    records = [s for s in engine.step_log if s.index > first]
+    if any(s.num_batched_tokens != batch for s in records):
+        raise RuntimeError("a profiled step was not a pure decode step")
+    while engine.has_unfinished_requests():
+        engine.step()
+    buckets = dict.fromkeys(CATEGORIES, 0.0)
+    for event in prof.key_averages():
+        buckets[categorize(event.key)] += event.self_cpu_time_total / 1000  # us -> ms
+    wall_ms = 1000 * sum(s.duration_s for s in records)
+    buckets["python and dispatch"] = max(wall_ms - sum(buckets.values()), 0.0)
+    return StepBreakdown(batch, steps, wall_ms / steps, {k: v / steps for k, v in buckets.items()})
+
+
+def run_profile_bench(
+    model: str | None, dtype: str, batch_sizes: tuple[int, ...], steps: int
+) -> dict[str, Any]:
+    llm = LLM(model=model, dtype=dtype, max_model_len=16 + steps + 8,
+              max_num_seqs=max(batch_sizes))  # fmt: skip
+    profile_decode(llm, 1, 2)  # warm-up
+    engine = llm.llm_engine
+    return {
+        "benchmark": "profile",
+        "model": str(engine.model_source.path.name),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "breakdowns": [asdict(profile_decode(llm, b, steps, seed=b)) for b in batch_sizes],
+    }
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Where a decode step's time goes",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Model {report['model']}, dtype {report['dtype']}, {report['threads']} threads, eager "
+        "decode. Operators' own CPU time by kind (torch.profiler); python and dispatch is the "
+        "step's wall time beyond all operators (scheduling, input preparation, outputs). "
+        "Milliseconds per step, with the share of the step.",
+        "",
+        "| batch | step (ms) | " + " | ".join(CATEGORIES) + " |",
+        "|---" * (len(CATEGORIES) + 2) + "|",
+    ]
+    for b in report["breakdowns"]:
+        wall = b["wall_ms_per_step"]
+        cells = [f"{b['ms_per_step'][c]:.1f} ({100 * b['ms_per_step'][c] / wall:.0f}%)"
+                 for c in CATEGORIES]  # fmt: skip
+        lines.append(f"| {b['batch_size']} | {wall:.1f} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    return write_report_files(report, out_dir, "profile", render_markdown, _plot)
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    breakdowns = report["breakdowns"]
+    labels = [f"batch {b['batch_size']}" for b in breakdowns]
+    fig, axis = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(breakdowns)
+    for category in CATEGORIES:
+        values = [b["ms_per_step"][category] for b in breakdowns]
+        axis.bar(labels, values, bottom=bottom, label=category)
+        bottom = [x + v for x, v in zip(bottom, values, strict=True)]
+    axis.set_ylabel("ms per decode step")
+    axis.set_title("Decode step breakdown (eager)")
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,33 @@
+"""`forklift bench profile`: operator buckets, and a small run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forklift.bench.step_profile import CATEGORIES, categorize
+from forklift.cli import main
+
+
+def test_operators_fall_into_their_buckets():
+    assert categorize("aten::mm") == "matrix"
+    assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert categorize("aten::index_select") == "attention"
+    assert categorize("aten::argmax") == "sampling"
+    assert categorize("aten::silu") == "other ops"
+
+
+def test_profile_report_adds_up(tmp_path):
+    args = ["bench", "profile", "--batch-sizes", "1,4", "--steps", "2"]
+    assert main([*args, "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert (tmp_path / "profile.png").stat().st_size > 0
+    assert [b["batch_size"] for b in report["breakdowns"]] == [1, 4]
+    for breakdown in report["breakdowns"]:
+        parts = breakdown["ms_per_step"]
+        assert list(parts) == list(CATEGORIES)
+        assert all(value >= 0 for value in parts.values())
+        assert parts["matrix"] > 0
+        # The buckets account for the whole step.
+        assert sum(parts.values()) == pytest.approx(breakdown["wall_ms_per_step"], rel=1e-6)
