@@ -11,7 +11,7 @@ from forklift.cli import main
 
 
 def test_operators_fall_into_their_buckets():
-    assert categorize("aten::mm") == "matrix"
+    assert categorize("aten::mm") == categorize("mkldnn::_linear_pointwise") == "matrix"
     assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert categorize("aten::index_select") == "attention"
     assert categorize("aten::argmax") == "sampling"

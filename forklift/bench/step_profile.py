@@ -23,7 +23,8 @@ from forklift.sampling_params import SamplingParams
 
 CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispatch")
 
-_MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+_MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+           "mkldnn::_linear_pointwise"}  # fmt: skip
 _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 _ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index"}
 _SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::topk",

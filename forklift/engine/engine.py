@@ -410,6 +410,7 @@ class LLMEngine:
         if not finalize:
             return staged
         applied = self._weight_updater.commit()
+        self.runner.model.pack_weights()  # the packed copies derive from the weights
         self.weight_version += 1
         self.kv_cache.reset_prefix_cache()
         return applied

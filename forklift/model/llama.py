@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
+from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.model_config import ModelConfig
@@ -32,10 +33,10 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -63,8 +64,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -106,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -124,8 +125,31 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32, only for the rows that sample."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.embed_tokens.weight
+        return packed_linear(hidden, weight, self._packed_tied_head, None).float()
+
+    _packed_tied_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """(Re)build the packed copies of every linear weight; call after weights change."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self._packed_tied_head = pack_weight(self.embed_tokens.weight)
+
+    def unpack_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.unpack()
+        self._packed_tied_head = None
+
+    def packed_bytes(self) -> int:
+        tensors = [m.packed_weight for m in self.modules() if isinstance(m, Linear)]
+        tensors.append(self._packed_tied_head)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""

@@ -87,7 +87,7 @@ class ModelRunner:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             memory_utilization=memory_utilization,
             total_memory=total_device_memory(self.device),
-            weight_bytes=module_bytes(self.model),
+            weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),
             activation_peak_bytes=peak,
         )
 
@@ -131,6 +131,7 @@ class ModelRunner:
 
     def free_weights(self) -> None:
         """Release every parameter's storage; `reload_weights` brings them back."""
+        self.model.unpack_weights()
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -196,6 +197,7 @@ def build_model(
         model = LlamaForCausalLM(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
+    model.pack_weights()
     # Rotary tables stay float32 (they are recomputed here because meta held no values).
     model.rotary = RotaryEmbedding(
         config.head_dim, max_positions, config.rope_theta, config.rope_scaling
