@@ -36,3 +36,12 @@ def test_quick_decode_report(tmp_path):
         assert p["fraction_of_peak"] == pytest.approx(flops / peak)
     # A bigger batch gets more tokens out of each step.
     assert points[-1]["tokens_per_s"] > points[0]["tokens_per_s"]
+
+
+def test_bad_lists_on_the_command_line_are_clear_errors(capsys):
+    assert main(["bench", "decode", "--batch-sizes", "0,8"]) == 2
+    assert "--batch-sizes must be positive integers" in capsys.readouterr().err
+    assert main(["bench", "profile", "--batch-sizes", "1,x"]) == 2
+    assert "--batch-sizes must be comma-separated integers" in capsys.readouterr().err
+    assert main(["bench", "serve", "--concurrency", "-1"]) == 2
+    assert "--concurrency must be positive" in capsys.readouterr().err

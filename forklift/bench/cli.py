@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from forklift.bench.report import announce, positive_ints
 from forklift.rl.cli import add_bench_grpo_parser
 
 
@@ -84,7 +85,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if args.num_requests is not None:
         overrides["num_requests"] = args.num_requests
     if args.output_lengths is not None:
-        overrides["output_lengths"] = tuple(int(n) for n in args.output_lengths.split(","))
+        overrides["output_lengths"] = positive_ints(args.output_lengths, "--output-lengths")
     if args.hf_batch_size is not None:
         overrides["hf_batch_size"] = args.hf_batch_size
     if args.max_model_len is not None:
@@ -94,9 +95,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     settings = (ThroughputSettings.quick if args.quick else ThroughputSettings)(**overrides)
     report = run_throughput(settings)
     command = "forklift bench throughput" + (" --quick" if args.quick else "")
-    for path in write_report(report, Path(args.out_dir), command):
-        print(f"wrote {path}")
-    print(render_markdown({**report, "command": command}))
+    paths = write_report(report, Path(args.out_dir), command)
+    announce(paths, render_markdown({**report, "command": command}))
     return 0
 
 
@@ -144,13 +144,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     }
     overrides |= {key: value for key, value in optional.items() if value is not None}
     if args.concurrency is not None:
-        overrides["concurrencies"] = tuple(int(c) for c in args.concurrency.split(","))
+        overrides["concurrencies"] = positive_ints(args.concurrency, "--concurrency")
     settings = (ServeSettings.quick if args.quick else ServeSettings)(**overrides)
     report = run_serve_bench(settings)
     report["command"] = _serve_command(args)
-    for path in write_report(report, Path(args.out_dir), args.name):
-        print(f"wrote {path}")
-    print(render_markdown(report))
+    announce(write_report(report, Path(args.out_dir), args.name), render_markdown(report))
     failed = sum(len(level["errors"]) for level in report["levels"])
     return 1 if failed else 0
 
@@ -202,9 +200,7 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     report["command"] = shlex.join(command)
-    for path in write_report(report, Path(args.out_dir)):
-        print(f"wrote {path}")
-    print(render_markdown(report))
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0
 
 
@@ -228,19 +224,14 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     overrides: dict[str, Any] = {"model": args.model, "dtype": args.dtype}
     if args.batch_sizes is not None:
-        sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-        if not sizes or min(sizes) < 1:
-            raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes}")
-        overrides["batch_sizes"] = sizes
+        overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
     report = run_decode_bench((DecodeSettings.quick if args.quick else DecodeSettings)(**overrides))
     command = ["forklift", "bench", "decode"] + (["--quick"] if args.quick else [])
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     command += ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
     report["command"] = shlex.join(command)
-    for path in write_report(report, Path(args.out_dir)):
-        print(f"wrote {path}")
-    print(render_markdown(report))
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0
 
 
@@ -257,16 +248,14 @@ def _add_profile(bench_sub: argparse._SubParsersAction) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from forklift.bench.step_profile import render_markdown, run_profile_bench, write_report
 
-    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-    if not sizes or min(sizes) < 1 or args.steps < 1:
-        raise ValueError("--batch-sizes and --steps must be positive integers")
+    sizes = positive_ints(args.batch_sizes, "--batch-sizes")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     report = run_profile_bench(args.model, args.dtype, sizes, args.steps)
     command = ["forklift", "bench", "profile", "--batch-sizes", args.batch_sizes]
     command += ["--steps", str(args.steps)]
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     report["command"] = shlex.join(command)
-    for path in write_report(report, Path(args.out_dir)):
-        print(f"wrote {path}")
-    print(render_markdown(report))
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0

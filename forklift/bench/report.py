@@ -21,3 +21,21 @@ def write_report_files(
     md_path.write_text(render_markdown(report))
     plot(report, png_path)
     return [md_path, json_path, png_path]
+
+
+def announce(paths: list[Path], markdown: str) -> None:
+    """Tell the user where a report went, then show it."""
+    for path in paths:
+        print(f"wrote {path}")
+    print(markdown)
+
+
+def positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    """A comma-separated command-line list of positive integers, e.g. "1,8,32"."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise ValueError(f"{flag} must be positive integers, got {text!r}")
+    return values

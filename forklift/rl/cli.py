@@ -69,6 +69,7 @@ def add_bench_grpo_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench_grpo(args: argparse.Namespace) -> int:
     from forklift.bench.grpo import render_markdown, run_grpo_bench, write_report
+    from forklift.bench.report import announce
 
     config = config_from_args(args)
     hf_steps = args.hf_steps if args.hf_steps is not None else (1 if args.quick else 5)
@@ -76,9 +77,7 @@ def _cmd_bench_grpo(args: argparse.Namespace) -> int:
         raise ValueError(f"--hf-steps must be >= 1, got {hf_steps}")
     report = run_grpo_bench(config, hf_steps, log=lambda line: print(line, flush=True))
     report["command"] = "forklift bench grpo" + _flags(args)
-    for path in write_report(report, Path(args.out_dir)):
-        print(f"wrote {path}")
-    print(render_markdown(report))
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0
 
 
