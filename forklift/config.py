@@ -49,6 +49,12 @@ class EngineConfig:
     seed: int = 0
     # Torch intra-op threads on CPU; None = torch's default.
     num_threads: int | None = None
+    # False: pure-decode steps run captured (CUDA graphs on a GPU, compiled layer regions on
+    # a CPU) at padded batch-size buckets. None = auto: captured on a GPU, eager on a CPU,
+    # where `forklift bench decode` measures no gain from compiling (docs/architecture.md).
+    enforce_eager: bool | None = None
+    # Batch-size buckets of captured decode; None = 1, 2, 4, 8, 16, 24, 32, ... max_num_seqs.
+    decode_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +83,16 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive("num_threads", self.num_threads, optional=True)
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(
+                f"enforce_eager must be True, False or None, got {self.enforce_eager!r}"
+            )
+        if self.decode_capture_sizes is not None:
+            self.decode_capture_sizes = tuple(self.decode_capture_sizes)
+            if not self.decode_capture_sizes:
+                raise ValueError("decode_capture_sizes must not be empty")
+            for size in self.decode_capture_sizes:
+                _positive("decode_capture_sizes", size)
         util = self.gpu_memory_utilization
         if util is not None and not (0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
@@ -95,6 +111,11 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_enforce_eager(self, device: torch.device) -> bool:
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return device.type != "cuda"
 
     def resolve_memory_utilization(self, device: torch.device) -> float:
         if self.gpu_memory_utilization is not None:

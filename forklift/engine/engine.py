@@ -26,6 +26,7 @@ from forklift.engine.scheduler import Scheduler, SchedulerOutput
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
 from forklift.model.weight_update import WeightUpdater
 from forklift.outputs import RequestMetrics, RequestOutput
+from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.model_runner import ModelRunner
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
@@ -96,6 +97,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             sliding_window=self.model_config.sliding_window,
+            enforce_eager=config.resolve_enforce_eager(self.device),
+            capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
         )
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),

@@ -8,7 +8,7 @@ projections are fused into single matmuls.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
-from forklift.model.layers.rotary import RotaryEmbedding
+from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
 from forklift.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -39,25 +39,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        key_cache, value_cache = kv_cache
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        return self.o_proj(paged_attention(q, key_cache, value_cache, meta, self.scale))
 
 
 class MLP(nn.Module):
@@ -83,15 +64,62 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        regions: LayerRegions,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, kv_cache, meta
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        q, k, v = regions.attention_input(self, hidden, *rope)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, key_cache, value_cache, meta, self.self_attn.scale)
+        return regions.attention_output_and_mlp(self, hidden, attn)
+
+
+def attention_input(
+    layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused qkv projection, q/k norms and rotary: everything before the KV write."""
+    attn = layer.self_attn
+    qkv = attn.qkv_proj(layer.input_layernorm(hidden))
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(-1, attn.num_heads, attn.head_dim)
+    k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+    v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v
+
+
+def attention_output_and_mlp(
+    layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
+) -> torch.Tensor:
+    """Output projection, residual, norm and MLP: everything after attention."""
+    hidden = hidden + layer.self_attn.o_proj(attn)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+@dataclass(frozen=True)
+class LayerRegions:
+    """The two dense regions of a decoder layer, plain or compiled; the KV write and paged
+    attention between them always run eagerly (compiling the in-place cache write makes
+    torch.compile copy the cache)."""
+
+    attention_input: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attention_output_and_mlp: Callable[..., torch.Tensor]
+
+
+EAGER_REGIONS = LayerRegions(attention_input, attention_output_and_mlp)
+
+
+def compiled_regions() -> LayerRegions:
+    """Both regions under torch.compile with dynamic shapes: one compilation serves every
+    layer (weights are inputs, not constants) and every batch and context size."""
+    return LayerRegions(
+        torch.compile(attention_input, dynamic=True),
+        torch.compile(attention_output_and_mlp, dynamic=True),
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,11 +144,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        regions: LayerRegions = EAGER_REGIONS,
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] for a flat batch of tokens."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, meta)
+            hidden = layer(hidden, rope, kv_cache, meta, regions)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

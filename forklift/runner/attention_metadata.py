@@ -15,9 +15,11 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    min_kv_width: int = 0,
 ) -> tuple[AttentionMetadata, np.ndarray]:
     """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and attends to
     positions [0, starts[s] + query_lens[s]); its tokens are contiguous in the flat batch.
+    Key tensors are at least `min_kv_width` wide (captured steps need a fixed shape).
 
     Returns the metadata and each token's position (the rotary embedding needs them too)."""
     num_tokens = int(query_lens.sum())
@@ -39,6 +41,7 @@ def build_attention_metadata(
             sliding_window,
             num_tokens,
             device,
+            min_kv_width,
         )
         for members in (decode, ~decode)
         if members.any()
@@ -56,6 +59,7 @@ def _group(
     sliding_window: int | None,
     num_tokens: int,
     device: torch.device,
+    min_kv_width: int,
 ) -> AttentionGroup:
     starts, query_lens, table = starts[seqs], query_lens[seqs], block_table[seqs]
     count = len(seqs)
@@ -70,7 +74,7 @@ def _group(
     padded_index = row * max_q + offset
 
     kv_lens = starts + query_lens
-    kv_pos = np.arange(int(kv_lens.max()))[None, :]
+    kv_pos = np.arange(max(int(kv_lens.max()), min_kv_width))[None, :]
     kv_valid = kv_pos < kv_lens[:, None]
     block_of = np.minimum(kv_pos // block_size, table.shape[1] - 1)
     kv_slots = table[np.arange(count)[:, None], block_of] * block_size + kv_pos % block_size

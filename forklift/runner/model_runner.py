@@ -12,9 +12,11 @@ import torch
 from forklift.engine.scheduler import ScheduledRequest
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
-from forklift.model.llama import KVCache, LlamaForCausalLM
+from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.runner.attention_metadata import build_attention_metadata
+from forklift.runner.capture_backends import CudaGraphBackend, backend_for
+from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.memory import (
     KVCachePlan,
     measure_peak_bytes,
@@ -55,6 +57,8 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         sliding_window: int | None = None,
+        enforce_eager: bool = True,
+        capture_sizes: tuple[int, ...] = (),
     ) -> None:
         self.model_config = model_config
         self.device = device
@@ -65,6 +69,16 @@ class ModelRunner:
         self.model = build_model(model_config, weights, device, dtype, max_model_len)
         self.kv_caches: list[KVCache] = []
         self._kv_cache_tensor: torch.Tensor | None = None
+        self.decode_capture: DecodeCapture | None = None
+        if not enforce_eager:
+            backend = backend_for(device)
+            # CUDA graphs record the eager kernels; a CPU compiles the layers' dense regions.
+            self._captured_regions = (
+                EAGER_REGIONS if isinstance(backend, CudaGraphBackend) else compiled_regions()
+            )
+            self.decode_capture = DecodeCapture(
+                backend, self._captured_forward, capture_sizes, max_model_len
+            )
 
     # ---- memory -------------------------------------------------------------------------
     def plan_kv_cache(
@@ -119,6 +133,7 @@ class ModelRunner:
         cache[:, :, 0].zero_()
         self._kv_cache_tensor = cache
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        self._reset_captures()  # captures hold the old cache's addresses
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -128,6 +143,11 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_cache_tensor = None
+        self._reset_captures()
+
+    def _reset_captures(self) -> None:
+        if self.decode_capture is not None:
+            self.decode_capture.reset()
 
     def free_weights(self) -> None:
         """Release every parameter's storage; `reload_weights` brings them back."""
@@ -140,15 +160,24 @@ class ModelRunner:
         self.model = build_model(
             self.model_config, weights, self.device, self.dtype, self.max_model_len
         )
+        self._reset_captures()  # captures hold the old parameters' addresses
 
     # ---- one step -----------------------------------------------------------------------
     def execute(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> StepResult:
-        inputs = self.prepare_inputs(scheduled, block_tables)
+        key = self._capture_key(scheduled)
+        pad_to = key.batch if key is not None else None
+        kv_width = key.kv_width if key is not None else 0
+        inputs = self.prepare_inputs(scheduled, block_tables, pad_to=pad_to, kv_width=kv_width)
         sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if key is not None and self.decode_capture is not None:
+                hidden = self.decode_capture.run(
+                    key, inputs.input_ids, inputs.positions, inputs.meta
+                )
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if not sampled_items:
                 return StepResult([], None)
             logits = self.model.compute_logits(hidden[inputs.sample_index])
@@ -157,9 +186,31 @@ class ModelRunner:
             )
             return StepResult(sampled_items, sample(logits, batch))
 
+    def _capture_key(self, scheduled: list[ScheduledRequest]) -> CaptureKey | None:
+        """The captured shape for a pure-decode step; None runs the step eagerly."""
+        capture = self.decode_capture
+        if capture is None or any(s.num_new_tokens != 1 for s in scheduled):
+            return None
+        key = capture.key_for(len(scheduled), max(s.start for s in scheduled) + 1)
+        if key is None:
+            capture.stats.eager_fallbacks += 1
+        return key
+
+    def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
+        return self.model(
+            static.input_ids, static.positions, self.kv_caches, static.meta, self._captured_regions
+        )
+
     def prepare_inputs(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: list[list[int]],
+        *,
+        pad_to: int | None = None,
+        kv_width: int = 0,
     ) -> StepInputs:
+        """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
+        block (they sample nothing); `kv_width` widens the key tensors to a fixed size."""
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
         query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         ids = np.concatenate(
@@ -167,18 +218,25 @@ class ModelRunner:
                 np.asarray(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
                 for s in scheduled
             ]
-        )
+        ).astype(np.int64)
+        sampling = np.array([s.samples for s in scheduled], dtype=bool)
+        rows = len(scheduled) if pad_to is None else pad_to
+        padding = rows - len(scheduled)
+        if padding:
+            starts = np.concatenate([starts, np.zeros(padding, dtype=np.int64)])
+            query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
+            ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
+            sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
         width = max(len(t) for t in block_tables)
-        table = np.zeros((len(scheduled), width), dtype=np.int64)
+        table = np.zeros((rows, width), dtype=np.int64)
         for row, blocks in enumerate(block_tables):
             table[row, : len(blocks)] = blocks
         meta, positions = build_attention_metadata(
-            starts, query_lens, table, self.block_size, self.sliding_window, self.device
+            starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
         )
-        sampling = np.array([s.samples for s in scheduled], dtype=bool)
         sample_index = (np.cumsum(query_lens) - 1)[sampling]
         return StepInputs(
-            input_ids=torch.from_numpy(ids.astype(np.int64)).to(self.device),
+            input_ids=torch.from_numpy(ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),

@@ -67,7 +67,12 @@ def paged_attention(
     """query: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
     num_tokens, heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].token_index.numel() == num_tokens:
-        return _attend_group(query, key_cache, value_cache, meta.groups[0], scale)
+        group = meta.groups[0]
+        if group.query_index.shape[1] == 1:
+            # Every token is one sequence's single decode query, already in order: no
+            # gather into a padded layout and none back out.
+            return _attend(query[:, None], key_cache, value_cache, group, scale)
+        return _attend_group(query, key_cache, value_cache, group, scale)
     out = query.new_empty(num_tokens, heads * head_dim)
     for group in meta.groups:
         out.index_copy_(
@@ -84,9 +89,22 @@ def _attend_group(
     scale: float,
 ) -> torch.Tensor:
     _, heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
     padded = torch.cat([query.reshape(-1, heads * head_dim), query.new_zeros(1, heads * head_dim)])
     q = _gather_rows(padded, group.query_index).view(*group.query_index.shape, heads, head_dim)
+    out = _attend(q, key_cache, value_cache, group, scale)
+    return out.index_select(0, group.padded_index)
+
+
+def _attend(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """q: [S, Q, H, D] -> [S * Q, H * D], keys and values read through the block tables."""
+    heads, head_dim = q.shape[2], q.shape[3]
+    kv_heads = key_cache.shape[2]
     k = _gather_rows(key_cache.view(-1, kv_heads * head_dim), group.kv_slots)
     v = _gather_rows(value_cache.view(-1, kv_heads * head_dim), group.kv_slots)
     kv_shape = (*group.kv_slots.shape, kv_heads, head_dim)
@@ -98,8 +116,7 @@ def _attend_group(
         scale=scale,
         enable_gqa=heads != kv_heads,
     )
-    out = out.transpose(1, 2).reshape(-1, heads * head_dim)  # [S * Q, H * D]
-    return out.index_select(0, group.padded_index)
+    return out.transpose(1, 2).reshape(-1, heads * head_dim)
 
 
 def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,29 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+@torch.library.custom_op("forklift::onednn_linear", mutates_args=())
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The packed matmul as an opaque op, so torch.compile calls it instead of trying (and
+    failing) to lower oneDNN's blocked weight itself."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     if packed is not None and x.dim() == 2 and not torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            return onednn_linear(x, weight, packed, bias)
+        # Eager calls skip the custom-op wrapper: it costs tens of microseconds a call.
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

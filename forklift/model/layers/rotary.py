@@ -98,9 +98,23 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, k, cos, sin)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] tables for these positions; looked up once per step, used by all layers."""
+        return (
+            self.cos.index_select(0, positions).to(dtype)[:, None, :],
+            self.sin.index_select(0, positions).to(dtype)[:, None, :],
+        )
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
