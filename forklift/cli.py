@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="eager decode; --no-enforce-eager captures it (default: captured on a GPU only)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -53,6 +53,11 @@ class EngineConfig:
     # a CPU) at padded batch-size buckets. None = auto: captured on a GPU, eager on a CPU,
     # where `forklift bench decode` measures no gain from compiling (docs/architecture.md).
     enforce_eager: bool | None = None
+    # Ranks the model's layers are split across (processes on this machine; gloo on a CPU,
+    # NCCL on GPUs). Must not exceed the model's KV heads.
+    tensor_parallel_size: int = 1
+    # Permit a tensor-parallel group whose ranks sit on different machines (loudly warned).
+    allow_cross_node_tensor_parallel: bool = False
     # Batch-size buckets of captured decode; None = 1, 2, 4, 8, 16, 24, 32, ... max_num_seqs.
     decode_capture_sizes: tuple[int, ...] | None = None
 
@@ -83,6 +88,7 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive("num_threads", self.num_threads, optional=True)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(
                 f"enforce_eager must be True, False or None, got {self.enforce_eager!r}"

@@ -46,6 +46,10 @@ class LLM:
     def wake_up(self) -> None:
         self.llm_engine.wake_up()
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes; the LLM is unusable afterwards."""
+        self.llm_engine.shutdown()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
         return self.llm_engine.reset_prefix_cache()

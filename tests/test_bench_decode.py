@@ -24,7 +24,14 @@ def test_quick_decode_report(tmp_path):
     assert (tmp_path / "decode.md").read_text().startswith("# Decode step time")
     assert (tmp_path / "decode.png").stat().st_size > 0
     points = report["points"]
-    assert [p["batch_size"] for p in points] == list(report["settings"]["batch_sizes"])
+    batches = list(report["settings"]["batch_sizes"])
+    for mode in ("eager", "captured"):
+        assert [p["batch_size"] for p in points if p["mode"] == mode] == batches
+    step = {(p["mode"], p["batch_size"]): p["step_ms_median"] for p in points}
+    assert report["speedup"] == {
+        str(b): pytest.approx(step["eager", b] / step["captured", b]) for b in batches
+    }
+    assert "eager step time / captured step time" in (tmp_path / "decode.md").read_text()
     peak = report["gemm_peak_flops_per_s"]
     assert peak > 0
     for p in points:
@@ -35,7 +42,8 @@ def test_quick_decode_report(tmp_path):
         assert p["matrix_flops_per_s"] == pytest.approx(flops)
         assert p["fraction_of_peak"] == pytest.approx(flops / peak)
     # A bigger batch gets more tokens out of each step.
-    assert points[-1]["tokens_per_s"] > points[0]["tokens_per_s"]
+    eager = [p for p in points if p["mode"] == "eager"]
+    assert eager[-1]["tokens_per_s"] > eager[0]["tokens_per_s"]
 
 
 def test_bad_lists_on_the_command_line_are_clear_errors(capsys):

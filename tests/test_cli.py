@@ -71,3 +71,16 @@ def test_chat_streams_replies_and_keeps_history(default_source):
     transcript = stdout.getvalue()
     assert "Paris" in transcript
     assert "Rome" in transcript
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    import argparse
+
+    from forklift.cli import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).enforce_eager is None
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    no_eager = parser.parse_args(["--no-enforce-eager"])
+    assert engine_config_from_args(no_eager).enforce_eager is False

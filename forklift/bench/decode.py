@@ -9,6 +9,7 @@ large square matmul in the same dtype gives the fraction of peak the step reache
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -22,6 +23,9 @@ from forklift.bench.report import write_report_files
 from forklift.llm import LLM
 from forklift.model.model_config import ModelConfig
 from forklift.sampling_params import SamplingParams
+
+# enforce_eager=True, then enforce_eager=False (CUDA graphs on a GPU, compiled regions on a CPU).
+MODES = ("eager", "captured")
 
 
 @dataclass
@@ -95,7 +99,7 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     return decode[1 : 1 + settings.timed_steps]
 
 
-def run_decode_bench(settings: DecodeSettings) -> dict[str, Any]:
+def _measure_mode(settings: DecodeSettings, mode: str) -> tuple[LLM, list[list[float]]]:
     longest = max(settings.batch_sizes)
     llm = LLM(
         model=settings.model,
@@ -103,36 +107,61 @@ def run_decode_bench(settings: DecodeSettings) -> dict[str, Any]:
         max_model_len=settings.prompt_tokens + settings.timed_steps + 8,
         max_num_seqs=longest,
         max_num_batched_tokens=max(2048, longest),
+        enforce_eager=mode == "eager",
+        decode_capture_sizes=settings.batch_sizes,
     )
-    engine = llm.llm_engine
-    peak = gemm_peak_flops(settings.gemm_size, engine.dtype)
-    weights = linear_weights(engine.model_config)
     _time_decode(llm, 1, settings, seed=0)  # warm-up
+    return llm, [_time_decode(llm, b, settings, seed=b) for b in settings.batch_sizes]
+
+
+def run_decode_bench(settings: DecodeSettings) -> dict[str, Any]:
     points = []
-    for batch in settings.batch_sizes:
-        times = _time_decode(llm, batch, settings, seed=batch)
-        median = statistics.median(times)
-        flops = 2 * weights * batch / median
-        points.append(
-            DecodePoint(
-                batch,
-                "eager",
-                1000 * median,
-                1000 * min(times),
-                batch / median,
-                flops,
-                flops / peak,
-            )  # fmt: skip
-        )
+    engine = None
+    for mode in MODES:
+        llm, timings = _measure_mode(settings, mode)
+        engine = llm.llm_engine
+        if mode == MODES[0]:
+            peak = gemm_peak_flops(settings.gemm_size, engine.dtype)
+            weights = linear_weights(engine.model_config)
+        for batch, times in zip(settings.batch_sizes, timings, strict=True):
+            median = statistics.median(times)
+            flops = 2 * weights * batch / median
+            points.append(
+                DecodePoint(
+                    batch,
+                    mode,
+                    1000 * median,
+                    1000 * min(times),
+                    batch / median,
+                    flops,
+                    flops / peak,
+                )  # fmt: skip
+            )
+        del llm
+        gc.collect()
+    assert engine is not None
     return {
         "benchmark": "decode",
         "model": str(engine.model_source.path.name),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "device": engine.device.type,
+        "capture_backend": "cuda-graph" if engine.device.type == "cuda" else "torch-compile",
         "settings": asdict(settings),
         "linear_weights": weights,
         "gemm_peak_flops_per_s": peak,
         "points": [asdict(p) for p in points],
+        "speedup": captured_speedup(points),
+    }
+
+
+def captured_speedup(points: list[DecodePoint]) -> dict[int, float]:
+    """Eager step time / captured step time, by batch size."""
+    eager = {p.batch_size: p.step_ms_median for p in points if p.mode == "eager"}
+    return {
+        p.batch_size: eager[p.batch_size] / p.step_ms_median
+        for p in points
+        if p.mode == "captured" and p.batch_size in eager
     }
 
 
@@ -153,13 +182,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         "| batch | mode | step (ms) | min (ms) | tokens/s | matrix GFLOP/s | of peak |",
         "|---|---|---|---|---|---|---|",
     ]
-    for p in report["points"]:
+    for p in sorted(report["points"], key=lambda p: (p["batch_size"], p["mode"] != "eager")):
         lines.append(
             f"| {p['batch_size']} | {p['mode']} | {p['step_ms_median']:.1f} | "
             f"{p['step_ms_min']:.1f} | {p['tokens_per_s']:.1f} | "
             f"{p['matrix_flops_per_s'] / 1e9:.1f} | {100 * p['fraction_of_peak']:.1f}% |"
         )
-    lines.append("")
+    lines += [
+        "",
+        f"Captured mode ({report['capture_backend']} on {report['device']}): eager step time / "
+        "captured step time by batch size: "
+        + ", ".join(f"{b}: **{x:.2f}x**" for b, x in report["speedup"].items())
+        + ".",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -173,13 +209,16 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = report["points"]
-    batches = [p["batch_size"] for p in points]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(batches, [p["step_ms_median"] for p in points], "o-", color="#2a7ab0")
+    for mode, color in zip(MODES, ("#2a7ab0", "#d95f02"), strict=True):
+        points = [p for p in report["points"] if p["mode"] == mode]
+        batches = [p["batch_size"] for p in points]
+        steps = [p["step_ms_median"] for p in points]
+        left.plot(batches, steps, "o-", color=color, label=mode)
+        right.plot(batches, [100 * p["fraction_of_peak"] for p in points], "o-", color=color)
     left.set_ylabel("decode step (ms)")
     left.set_title("Step time")
-    right.plot(batches, [100 * p["fraction_of_peak"] for p in points], "o-", color="#d95f02")
+    left.legend()
     right.set_ylabel("% of measured GEMM peak")
     right.set_title("Matrix efficiency")
     for axis in (left, right):

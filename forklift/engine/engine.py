@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,10 +25,10 @@ from forklift.engine.output_processor import (
 from forklift.engine.request import FinishReason, Request
 from forklift.engine.scheduler import Scheduler, SchedulerOutput
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
-from forklift.model.weight_update import WeightUpdater
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.model_runner import ModelRunner
+from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.tokenizer import Tokenizer, load_tokenizer
@@ -89,16 +90,33 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = self._resolve_max_model_len()
+        self._tp_workers = start_tensor_parallel(
+            config,
+            self.model_config,
+            self.device,
+            RankSpec(
+                model=str(source.path) if config.model is not None else None,
+                device=str(self.device),
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                sliding_window=self.model_config.sliding_window,
+                num_threads=cpu_threads_per_rank(config),
+                allow_cross_node=config.allow_cross_node_tensor_parallel,
+            ),
+        )
         self.runner = ModelRunner(
             self.model_config,
-            iter_model_weights(source, self.model_config),
+            partial(iter_model_weights, source, self.model_config),
             device=self.device,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             sliding_window=self.model_config.sliding_window,
-            enforce_eager=config.resolve_enforce_eager(self.device),
+            # Captured decode runs on a single rank for now.
+            enforce_eager=config.resolve_enforce_eager(self.device) or self._tp_workers is not None,
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
+            tp=self._tp_workers.group if self._tp_workers else None,
         )
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
@@ -113,7 +131,6 @@ class LLMEngine:
         )
         # Bumped by every weight update; the prefix cache keys on it.
         self.weight_version = 0
-        self._weight_updater = WeightUpdater(self.runner.model, self.model_config)
         # 0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed.
         self.sleep_level = 0
         self.scheduler = Scheduler(
@@ -409,18 +426,17 @@ class LLMEngine:
         """
         if self.sleep_level >= 2:
             raise ValueError("the weights were dropped by sleep(level=2): call wake_up() first")
-        staged = self._weight_updater.stage(named_tensors)
+        staged = self.runner.stage_weights(list(named_tensors))
         if not finalize:
             return staged
-        applied = self._weight_updater.commit()
-        self.runner.model.pack_weights()  # the packed copies derive from the weights
+        applied = self.runner.commit_weights()
         self.weight_version += 1
         self.kv_cache.reset_prefix_cache()
         return applied
 
     @property
     def num_staged_weights(self) -> int:
-        return self._weight_updater.num_staged
+        return self.runner.num_staged_weights
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and also the weights (level 2) for a trainer's use.
@@ -433,7 +449,6 @@ class LLMEngine:
         self.kv_cache.reset_prefix_cache()
         self.runner.free_kv_cache()
         if level == 2:
-            self._weight_updater.discard()
             self.runner.free_weights()
         self.sleep_level = max(self.sleep_level, level)
 
@@ -443,11 +458,17 @@ class LLMEngine:
         if self.sleep_level == 0:
             return
         if self.sleep_level == 2:
-            self.runner.reload_weights(iter_model_weights(self.model_source, self.model_config))
-            self._weight_updater = WeightUpdater(self.runner.model, self.model_config)
+            self.runner.reload_weights()
             self.weight_version += 1
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
         self.sleep_level = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op for a single rank)."""
+        if self._tp_workers is not None:
+            self.runner.shutdown()
+            self._tp_workers.join()
+            self._tp_workers = None
 
     # ---- prefix cache --------------------------------------------------------------------
     def reset_prefix_cache(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,10 @@ from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
 from forklift.model.model_config import ModelConfig
+from forklift.model.tensor_parallel import TensorParallelShard
+
+if TYPE_CHECKING:
+    from forklift.runner.tp_group import TensorParallelGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,6 +59,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # The tensor-parallel group the row-parallel projections reduce over (None: one rank).
+    tp: TensorParallelGroup | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -96,8 +104,13 @@ def attention_output_and_mlp(
     layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
 ) -> torch.Tensor:
     """Output projection, residual, norm and MLP: everything after attention."""
-    hidden = hidden + layer.self_attn.o_proj(attn)
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = hidden + _reduce(layer.tp, layer.self_attn.o_proj(attn))
+    return hidden + _reduce(layer.tp, layer.mlp(layer.post_attention_layernorm(hidden)))
+
+
+def _reduce(tp: TensorParallelGroup | None, partial: torch.Tensor) -> torch.Tensor:
+    """Row-parallel layers give each rank a partial sum; add them up across ranks."""
+    return partial if tp is None else tp.all_reduce(partial)
 
 
 @dataclass(frozen=True)
@@ -123,9 +136,22 @@ def compiled_regions() -> LayerRegions:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """With a tensor-parallel `shard`, the modules hold that rank's slices (see
+    model/tensor_parallel.py): `config` is then the local shape and `full_config` the
+    model's."""
+
+    def __init__(
+        self,
+        full_config: ModelConfig,
+        max_positions: int,
+        shard: TensorParallelShard | None = None,
+    ) -> None:
         super().__init__()
+        self.full_config = full_config
+        self.shard = shard
+        config = full_config if shard is None else shard.local_config(full_config)
         self.config = config
+        self.tp: TensorParallelGroup | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -147,18 +173,38 @@ class LlamaForCausalLM(nn.Module):
         regions: LayerRegions = EAGER_REGIONS,
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] for a flat batch of tokens."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, meta, regions)
         return self.norm(hidden)
 
+    def set_tensor_parallel_group(self, tp: TensorParallelGroup | None) -> None:
+        self.tp = tp
+        for layer in self.layers:
+            layer.tp = tp
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None or self.shard is None:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: each rank embeds the ids in its rows, zeros elsewhere.
+        start, end = self.shard.vocab
+        local = input_ids - start
+        mine = (input_ids >= start) & (input_ids < end)
+        hidden = self.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(hidden * mine[:, None].to(hidden.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32, only for the rows that sample."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        weight = self.embed_tokens.weight
-        return packed_linear(hidden, weight, self._packed_tied_head, None).float()
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.embed_tokens.weight
+            logits = packed_linear(hidden, weight, self._packed_tied_head, None)
+        if self.tp is not None:
+            gathered = self.tp.all_gather_cat(logits, dim=-1)
+            logits = gathered[:, : self.full_config.vocab_size]
+        return logits.float()
 
     _packed_tied_head: torch.Tensor | None = None
 
@@ -189,6 +235,8 @@ class LlamaForCausalLM(nn.Module):
             slot = weight_slot(hf_name, self.config)
             if slot is None:
                 continue
+            if self.shard is not None:
+                tensor = self.shard.shard(hf_name, tensor, self.full_config)
             if slot.param not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             dest = slot.view(params[slot.param].data)

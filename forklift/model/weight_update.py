@@ -13,14 +13,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from forklift.model.llama import WeightSlot, is_ignored_hf_name, weight_slot
-from forklift.model.model_config import ModelConfig
+from forklift.model.llama import LlamaForCausalLM, WeightSlot, is_ignored_hf_name, weight_slot
+from forklift.model.tensor_parallel import hf_tensor_shape
 
 
 class WeightUpdater:
-    def __init__(self, model: nn.Module, config: ModelConfig) -> None:
+    """Takes full HF tensors; a tensor-parallel rank keeps only its shard of each."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
         self._model = model
-        self._config = config
+        self._config = model.full_config
         self._staged: dict[str, tuple[WeightSlot, torch.Tensor]] = {}
 
     @property
@@ -50,16 +52,19 @@ class WeightUpdater:
             raise ValueError(f"weight {hf_name!r} is a {type(tensor).__name__}, not a tensor")
         if is_ignored_hf_name(hf_name, self._config):
             return None
-        slot = weight_slot(hf_name, self._config)
-        if slot is None or slot.param not in params:
+        slot = weight_slot(hf_name, self._model.config)
+        full_shape = hf_tensor_shape(hf_name, self._config)
+        if slot is None or slot.param not in params or full_shape is None:
             raise ValueError(f"unknown weight name {hf_name!r} for this model")
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"weight {hf_name!r} has dtype {tensor.dtype}, not a float type")
-        dest = slot.view(params[slot.param].data)
-        if tuple(tensor.shape) != tuple(dest.shape):
+        if tuple(tensor.shape) != full_shape:
             raise ValueError(
-                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {full_shape}"
             )
+        if self._model.shard is not None:
+            tensor = self._model.shard.shard(hf_name, tensor, self._config)
+        dest = slot.view(params[slot.param].data)
         staged = tensor.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
         if not bool(torch.isfinite(staged).all()):
             raise ValueError(f"weight {hf_name!r} holds NaN or infinite values")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +14,8 @@ from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
+from forklift.model.tensor_parallel import TensorParallelShard
+from forklift.model.weight_update import WeightUpdater
 from forklift.runner.attention_metadata import build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
@@ -24,6 +26,7 @@ from forklift.runner.memory import (
     plan_kv_cache,
     total_device_memory,
 )
+from forklift.runner.tp_group import TensorParallelGroup
 from forklift.sampling.metadata import SamplingBatch
 from forklift.sampling.sampler import SamplerOutput, sample
 
@@ -50,7 +53,7 @@ class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         *,
         device: torch.device,
         dtype: torch.dtype,
@@ -59,14 +62,24 @@ class ModelRunner:
         sliding_window: int | None = None,
         enforce_eager: bool = True,
         capture_sizes: tuple[int, ...] = (),
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        """`weights` yields the full HF-named tensors (called again to reload them). With a
+        tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
+        the others, which mirror every call it makes (see `tp_workers.serve_rank`)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.model = build_model(model_config, weights, device, dtype, max_model_len)
+        self.weights = weights
+        self.tp = tp
+        self.shard = (
+            None if tp is None else TensorParallelShard.plan(model_config, tp.rank, tp.world_size)
+        )
+        self.model = self._build_model()
+        self._weight_updater = WeightUpdater(self.model)
         self.kv_caches: list[KVCache] = []
         self._kv_cache_tensor: torch.Tensor | None = None
         self.decode_capture: DecodeCapture | None = None
@@ -95,19 +108,43 @@ class ModelRunner:
                 lambda: self._profile_forward(max_num_batched_tokens, max_num_seqs), self.device
             )
         return plan_kv_cache(
-            model_config=self.model_config,
+            model_config=self.model.config,  # this rank's KV heads
             dtype=self.dtype,
             block_size=self.block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             memory_utilization=memory_utilization,
-            total_memory=total_device_memory(self.device),
+            total_memory=self._memory_share(),
             weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),
             activation_peak_bytes=peak,
         )
 
+    def _memory_share(self) -> int:
+        """The memory this rank may plan with: tensor-parallel ranks on a CPU share its RAM."""
+        total = total_device_memory(self.device)
+        if self.tp is not None and self.device.type == "cpu":
+            return total // self.tp.world_size
+        return total
+
+    def _build_model(self) -> LlamaForCausalLM:
+        model = build_model(
+            self.model_config, self.weights(), self.device, self.dtype, self.max_model_len,
+            self.shard,
+        )  # fmt: skip
+        model.set_tensor_parallel_group(self.tp)
+        return model
+
+    def _tell_workers(self, method: str, *args: object) -> None:
+        """Rank 0 only: have every other rank run the same method with the same arguments."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.broadcast_object((method, args))
+
+    def shutdown(self) -> None:
+        self._tell_workers("shutdown")
+
     def _profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
         """The largest step the scheduler can build: one full-budget prefill chunk, plus logits
         and sampling for up to max_num_seqs rows."""
+        self._tell_workers("_profile_forward", num_tokens, max_num_seqs)
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         self.allocate_kv_cache(blocks)
@@ -125,7 +162,8 @@ class ModelRunner:
         self.free_kv_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        cfg = self.model_config
+        self._tell_workers("allocate_kv_cache", num_blocks)
+        cfg = self.model.config  # this rank's KV heads
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # torch.empty leaves pages untouched until a block is first written; only the null
         # block, which pads every gather, must hold zeros.
@@ -141,6 +179,7 @@ class ModelRunner:
         return 0 if cache is None else cache.numel() * cache.element_size()
 
     def free_kv_cache(self) -> None:
+        self._tell_workers("free_kv_cache")
         self.kv_caches = []
         self._kv_cache_tensor = None
         self._reset_captures()
@@ -151,16 +190,41 @@ class ModelRunner:
 
     def free_weights(self) -> None:
         """Release every parameter's storage; `reload_weights` brings them back."""
+        self._tell_workers("free_weights")
+        self._weight_updater.discard()
         self.model.unpack_weights()
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model = build_model(
-            self.model_config, weights, self.device, self.dtype, self.max_model_len
-        )
+    def reload_weights(self) -> None:
+        """Rebuild the model from the original weights."""
+        self._tell_workers("reload_weights")
+        self.model = self._build_model()
+        self._weight_updater = WeightUpdater(self.model)
         self._reset_captures()  # captures hold the old parameters' addresses
+
+    # ---- weight updates -----------------------------------------------------------------
+    def stage_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Check and stage full HF tensors (see WeightUpdater). Rank 0 checks them before
+        any other rank sees them, so a bad update fails on every rank or on none."""
+        staged = self._weight_updater.stage(named_tensors)
+        self._tell_workers("stage_weights", named_tensors)
+        return staged
+
+    def commit_weights(self) -> int:
+        self._tell_workers("commit_weights")
+        applied = self._weight_updater.commit()
+        self.model.pack_weights()  # the packed copies derive from the weights
+        return applied
+
+    def discard_weights(self) -> None:
+        self._tell_workers("discard_weights")
+        self._weight_updater.discard()
+
+    @property
+    def num_staged_weights(self) -> int:
+        return self._weight_updater.num_staged
 
     # ---- one step -----------------------------------------------------------------------
     def execute(
@@ -171,6 +235,20 @@ class ModelRunner:
         kv_width = key.kv_width if key is not None else 0
         inputs = self.prepare_inputs(scheduled, block_tables, pad_to=pad_to, kv_width=kv_width)
         sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
+        logits = self.forward_step(inputs, key)
+        if logits is None:
+            return StepResult([], None)
+        with torch.inference_mode():
+            batch = SamplingBatch.from_requests(
+                [scheduled[i].request for i in sampled_items], self.device
+            )
+            return StepResult(sampled_items, sample(logits, batch))
+
+    def forward_step(
+        self, inputs: StepInputs, key: CaptureKey | None = None
+    ) -> torch.Tensor | None:
+        """The model on one step's inputs; logits of the sampling rows (None if none)."""
+        self._tell_workers("forward_step", inputs, key)
         with torch.inference_mode():
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
@@ -178,13 +256,9 @@ class ModelRunner:
                 )
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if not sampled_items:
-                return StepResult([], None)
-            logits = self.model.compute_logits(hidden[inputs.sample_index])
-            batch = SamplingBatch.from_requests(
-                [scheduled[i].request for i in sampled_items], self.device
-            )
-            return StepResult(sampled_items, sample(logits, batch))
+            if inputs.sample_index.numel() == 0:
+                return None
+            return self.model.compute_logits(hidden[inputs.sample_index])
 
     def _capture_key(self, scheduled: list[ScheduledRequest]) -> CaptureKey | None:
         """The captured shape for a pure-decode step; None runs the step eagerly."""
@@ -249,10 +323,11 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
+    shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
     # Build on the meta device so no time goes into random initialisation, then load.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
     model.pack_weights()

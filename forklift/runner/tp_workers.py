@@ -1,0 +1,117 @@
+"""Worker processes of a tensor-parallel engine.
+
+The engine's process is rank 0: it schedules, samples and drives. Ranks 1..N-1 are spawned
+processes that each build a `ModelRunner` over their shard and then mirror rank 0: every
+runner call rank 0 makes (a forward step, KV allocation, a weight update...) is broadcast as
+(method, arguments) and executed on every rank, so the collectives inside line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from forklift.config import EngineConfig
+from forklift.model.model_config import ModelConfig
+from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
+from forklift.model.tensor_parallel import check_tensor_parallel_size
+from forklift.runner.tp_group import _TIMEOUT, TensorParallelGroup, create_store
+
+logger = logging.getLogger("forklift")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a worker rank needs to build the same runner as rank 0 (picklable)."""
+
+    model: str | None
+    device: str
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    sliding_window: int | None
+    num_threads: int | None
+    allow_cross_node: bool
+
+
+@dataclass
+class TensorParallelWorkers:
+    group: TensorParallelGroup
+    store: dist.Store
+    processes: list[BaseProcess] = field(default_factory=list)
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.terminate()
+
+
+def cpu_threads_per_rank(config: EngineConfig) -> int:
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def start_tensor_parallel(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    spec: RankSpec,
+) -> TensorParallelWorkers | None:
+    """Spawn ranks 1..N-1 and join them in a group; None when tensor_parallel_size is 1."""
+    world = config.tensor_parallel_size
+    if world == 1:
+        return None
+    check_tensor_parallel_size(model_config, world)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(config))
+    store = create_store(world)
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(
+            target=serve_rank,
+            args=(rank, world, store.port, spec),
+            daemon=True,
+            name=f"forklift-tp-rank-{rank}",
+        )  # fmt: skip
+        for rank in range(1, world)
+    ]
+    for process in processes:
+        process.start()
+    group = TensorParallelGroup(0, world, store, device, spec.allow_cross_node)
+    logger.info("tensor parallel: %d ranks on %s", world, device)
+    return TensorParallelWorkers(group, store, processes)
+
+
+def serve_rank(rank: int, world: int, port: int, spec: RankSpec) -> None:
+    """A worker rank's whole life: join the group, build the shard, mirror rank 0."""
+    from forklift.runner.model_runner import ModelRunner  # after spawn, not at import
+
+    device = torch.device(spec.device)
+    if device.type == "cpu" and spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=_TIMEOUT)
+    group = TensorParallelGroup(rank, world, store, device, spec.allow_cross_node)
+    source = resolve_model(spec.model)
+    model_config = load_model_config(source)
+    runner = ModelRunner(
+        model_config,
+        partial(iter_model_weights, source, model_config),
+        device=device,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        block_size=spec.block_size,
+        sliding_window=spec.sliding_window,
+        tp=group,
+    )
+    while True:
+        method, args = group.broadcast_object()
+        if method == "shutdown":
+            return
+        getattr(runner, method)(*args)
