@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
@@ -50,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -117,6 +119,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from forklift.server.serve import serve
 
+    if args.data_parallel_size != 1 or args.ray_address is not None:
+        from forklift.dp.launch import serve_data_parallel
+
+        return serve_data_parallel(
+            engine_config_from_args(args),
+            host=args.host,
+            port=args.port,
+            data_parallel_size=args.data_parallel_size,
+            ray_address=args.ray_address,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+        )
     return serve(
         engine_config_from_args(args),
         host=args.host,
@@ -172,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="answer 503 when this many requests already wait",
+    )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="independent engine replicas (Ray actors) behind one front end",
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (HEAD:6379) instead of starting a local one",
     )
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)

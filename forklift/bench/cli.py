@@ -25,6 +25,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_grpo_parser(bench_sub)
     _add_decode(bench_sub)
     _add_profile(bench_sub)
+    _add_scale(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -256,6 +257,34 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     command += ["--steps", str(args.steps)]
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    return 0
+
+
+def _add_scale(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "scale", help="one engine vs TP=2 vs DP=2 serving, and TP all-reduce arithmetic"
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--concurrency", default="1,8", help="comma-separated levels")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_scale)
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from forklift.bench.scale import ScaleSettings, render_markdown, run_scale_bench, write_report
+
+    settings = ScaleSettings(
+        model=args.model,
+        concurrencies=positive_ints(args.concurrency, "--concurrency"),
+        output_tokens=args.output_tokens,
+    )
+    report = run_scale_bench(settings)
+    command = ["forklift", "bench", "scale", "--concurrency", args.concurrency]
+    command += ["--output-tokens", str(args.output_tokens)]
+    command += ["--model", args.model] if args.model else []
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0

@@ -34,7 +34,7 @@ def ready_line(host: str, port: int, model_name: str, api_key: str | None) -> st
     )
 
 
-class _AnnouncingServer(uvicorn.Server):
+class AnnouncingServer(uvicorn.Server):
     """Prints the ready line once the socket is bound, not before."""
 
     def __init__(self, config: uvicorn.Config, line: str, out: TextIO) -> None:
@@ -61,6 +61,6 @@ def serve(
     name = served_model_name or default_served_name(config.model)
     app = build_app(engine, name, api_key, max_waiting_requests)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    server = _AnnouncingServer(uv_config, ready_line(host, port, name, api_key), out)
+    server = AnnouncingServer(uv_config, ready_line(host, port, name, api_key), out)
     server.run()
     return 0
