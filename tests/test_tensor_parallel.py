@@ -152,3 +152,19 @@ def test_tp2_on_the_default_model(default_source, default_llm_fp32):
         assert _greedy(llm, prompts, tokens=16) == expected
     finally:
         llm.shutdown()
+
+
+def test_tp2_sizes_its_kv_cache_by_profiling(tmp_path):
+    """Without an explicit KV size every rank runs the profiling forward together."""
+    make_tiny_model("llama", tmp_path)
+    prompts = _prompts(11)
+    expected = _greedy(_tiny_llm(tmp_path, 1), prompts)
+    llm = LLM(
+        model=str(tmp_path), dtype="float32", max_model_len=256, block_size=4,
+        max_num_batched_tokens=64, gpu_memory_utilization=0.01, tensor_parallel_size=2,
+    )  # fmt: skip
+    try:
+        assert llm.llm_engine.num_usable_blocks > 1000
+        assert _greedy(llm, prompts) == expected
+    finally:
+        llm.shutdown()

@@ -26,6 +26,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_decode(bench_sub)
     _add_profile(bench_sub)
     _add_scale(bench_sub)
+    _add_startup(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -285,6 +286,23 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     command = ["forklift", "bench", "scale", "--concurrency", args.concurrency]
     command += ["--output-tokens", str(args.output_tokens)]
     command += ["--model", args.model] if args.model else []
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    return 0
+
+
+def _add_startup(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser("startup", help="forklift serve time to ready, cold and warm")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_startup)
+
+
+def _cmd_startup(args: argparse.Namespace) -> int:
+    from forklift.bench.startup import render_markdown, run_startup_bench, write_report
+
+    report = run_startup_bench(args.model)
+    command = ["forklift", "bench", "startup"] + (["--model", args.model] if args.model else [])
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0

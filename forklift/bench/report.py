@@ -13,12 +13,15 @@ def write_report_files(
     out_dir: Path,
     name: str,
     render_markdown: Callable[[dict[str, Any]], str],
-    plot: Callable[[dict[str, Any], Path], None],
+    plot: Callable[[dict[str, Any], Path], None] | None,
 ) -> list[Path]:
+    """Writes name.md, name.json and (when a picture helps) name.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md_path, json_path, png_path = (out_dir / f"{name}.{ext}" for ext in ("md", "json", "png"))
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     md_path.write_text(render_markdown(report))
+    if plot is None:
+        return [md_path, json_path]
     plot(report, png_path)
     return [md_path, json_path, png_path]
 

@@ -147,7 +147,7 @@ class ModelRunner:
         self._tell_workers("_profile_forward", num_tokens, max_num_seqs)
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
-        self.allocate_kv_cache(blocks)
+        self._allocate_kv_cache(blocks)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
@@ -159,10 +159,14 @@ class ModelRunner:
             rows = min(max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             logits.sort(dim=-1)
-        self.free_kv_cache()
+        self._free_kv_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._tell_workers("allocate_kv_cache", num_blocks)
+        self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        # Methods that other ranks mirror call only these unannounced helpers inside.
         cfg = self.model.config  # this rank's KV heads
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # torch.empty leaves pages untouched until a block is first written; only the null
@@ -180,6 +184,9 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self._tell_workers("free_kv_cache")
+        self._free_kv_cache()
+
+    def _free_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_cache_tensor = None
         self._reset_captures()
