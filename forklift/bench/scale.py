@@ -162,7 +162,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Streaming completions, {s['input_tokens']} prompt tokens, {s['output_tokens']} "
         f"output tokens (ignore_eos), bench serve's client; the cores are split between "
-        "processes.",
+        "processes. With few cores there is no idle compute for TP to add: it halves each "
+        "matmul but adds two gloo all-reduces per layer and a broadcast of every step's "
+        "inputs; DP replicas share nothing but the cores.",
         "",
         "| deployment | processes x threads | " + " | ".join(
             f"c={c} tok/s" for c in s["concurrencies"]) + f" | c={top} TTFT p50 (ms) "
@@ -206,6 +208,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {row['allreduce_us']:.1f} us | {row['step_comm_ms']:.2f} ms |"
         )
     collapse = report["seed_collapse"]
+    nvlink_big = next(
+        (r for r in report["tp_comm"]
+         if r["model"] == MODELS[1].name and r["link"] == LINKS[0].name and r["batch"] == 8),
+        None,
+    )  # fmt: skip
+    nvlink_cost = f"about {nvlink_big['step_comm_ms']:.1f} ms per step" if nvlink_big else "little"
     lines += [
         "",
         "Assumptions: " + "; ".join(f"{m['name']}: {m['note']}" for m in report["models"])
@@ -218,8 +226,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"is {collapse['implied_ms_per_allreduce']:.2f} ms each: the network's per-message "
         "latency (TCP through a cloud network, plus the collective's software), paid "
         "2(N-1) times per all-reduce and twice per layer, not its bandwidth (the messages "
-        "are tens of KiB). Over NVLink the same all-reduces cost well under a millisecond "
-        "per step. Data-parallel replicas exchange nothing per token, so they scale across "
+        "are tens of KiB). Over NVLink the same all-reduces cost "
+        f"{nvlink_cost}. Data-parallel replicas exchange nothing per token, so they scale across "
         "machines; tensor parallelism belongs inside one.",
         "",
     ]  # fmt: skip
