@@ -153,16 +153,21 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(dp_url):
 
     async def load_and_kill() -> list[httpx.Response]:
         task = asyncio.ensure_future(
-            _complete_all(dp_url, [_prompt(i) for i in range(16)], max_tokens=200)
+            _complete_all(dp_url, [_prompt(i) for i in range(16)], max_tokens=240)
         )
-        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient() as client:
+            while True:  # kill it while it holds requests
+                rows = (await client.get(f"{dp_url}/v1/replicas")).json()["data"]
+                if rows[0]["outstanding_requests"] >= 4 or task.done():
+                    break
+                await asyncio.sleep(0.02)
         os.kill(victim["pid"], signal.SIGKILL)
         return await task
 
     responses = asyncio.run(load_and_kill())
     # Non-streaming requests send nothing before they finish, so every one is retried.
     assert [r.status_code for r in responses] == [200] * 16
-    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 240 for r in responses)
     # Half went to the victim at first; those were answered by the survivor instead.
     served_by = [r.headers["x-forklift-replica"] for r in responses]
     assert served_by.count("1") > 8, served_by
