@@ -181,3 +181,23 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(dp_url):
     assert row["failures_total"] >= 1 and row["pid"] != victim["pid"]
     again = asyncio.run(_complete_all(dp_url, [_prompt(i) for i in range(4)], max_tokens=4))
     assert [r.status_code for r in again] == [200] * 4
+
+
+def test_front_end_checks_the_api_key_and_says_when_no_replica_is_up():
+    from fastapi.testclient import TestClient
+
+    from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
+
+    async def nothing() -> None:
+        return None
+
+    frontend = Frontend([], Router(0), FrontendSettings(api_key="secret"))
+    with TestClient(build_frontend_app(frontend, nothing)) as client:
+        body = {"model": MODEL_NAME, "prompt": "hi"}
+        denied = client.post("/v1/completions", json=body)
+        assert denied.status_code == 401
+        assert denied.json()["error"]["message"] == "invalid API key"
+        auth = {"Authorization": "Bearer secret"}
+        busy = client.post("/v1/completions", json=body, headers=auth)
+        assert busy.status_code == 503 and "no replica" in busy.json()["error"]["message"]
+        assert client.get("/health").status_code == 503

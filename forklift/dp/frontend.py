@@ -11,7 +11,6 @@ restarted them. Trainer routes (weights, pause, sleep...) go to every replica.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from forklift.dp.router import Router, estimated_tokens, prompt_text
 from forklift.server.admin import ADMIN_PATHS
+from forklift.server.app import install_api_key_check
 from forklift.server.errors import error_response
 
 logger = logging.getLogger("forklift")
@@ -302,18 +302,8 @@ def build_frontend_app(frontend: Frontend, startup: Callable[[], Awaitable[None]
         await frontend.close()
 
     app = FastAPI(title="forklift data-parallel front end", lifespan=lifespan)
-    api_key = frontend.settings.api_key
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-            path = request.url.path
-            if path.startswith("/v1") or path in ADMIN_PATHS:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return error_response(401, "invalid API key")
-            return await call_next(request)
+    if frontend.settings.api_key is not None:
+        install_api_key_check(app, frontend.settings.api_key)
 
     @app.get("/health")
     async def health() -> Response:

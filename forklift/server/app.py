@@ -49,7 +49,7 @@ def build_app(
     app.state.metrics = metrics
     _install_error_handlers(app)
     if api_key is not None:
-        _install_api_key_check(app, api_key)
+        install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)
     add_admin_routes(app, ctx)
     return app
@@ -146,7 +146,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, str(exc))
 
 
-def _install_api_key_check(app: FastAPI, api_key: str) -> None:
+def install_api_key_check(app: FastAPI, api_key: str) -> None:
     expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")
