@@ -126,7 +126,7 @@ class Frontend:
         while True:
             index = self.router.choose(key, tried)
             if index is None:
-                return error_response(503, "no replica is available; try again shortly")
+                return _no_replica()
             tried.add(index)
             self.router.acquire(index, tokens)
             try:
@@ -217,13 +217,13 @@ class Frontend:
             return Response(
                 upstream.content, upstream.status_code, _response_headers(upstream, replica.index)
             )
-        return error_response(503, "no replica is available; try again shortly")
+        return _no_replica()
 
     async def broadcast(self, path: str, query: str, body: bytes, headers: dict[str, str]):
         """POST to every healthy replica; the first failure (or the first answer) wins."""
         targets = [r for r in self.router.replicas if r.healthy]
         if not targets:
-            return error_response(503, "no replica is available; try again shortly")
+            return _no_replica()
         suffix = f"?{query}" if query else ""
         answers = await asyncio.gather(
             *(
@@ -277,6 +277,10 @@ class Frontend:
             for row in table:
                 lines.append(f'forklift:{name}{{replica="{row["index"]}"}} {int(row[field])}')
         return "\n".join(lines) + "\n"
+
+
+def _no_replica() -> Response:
+    return error_response(503, "no replica is available; try again shortly")
 
 
 def _response_headers(upstream: httpx.Response, index: int | None = None) -> dict[str, str]:

@@ -95,7 +95,7 @@ class LLMEngine:
             self.model_config,
             self.device,
             RankSpec(
-                model=str(source.path) if config.model is not None else None,
+                model=str(source.path),
                 device=str(self.device),
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,

@@ -90,8 +90,7 @@ class TensorParallelShard:
 
 
 def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
+    """EngineConfig has already checked that world_size is a positive integer."""
     if world_size > config.num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size={world_size} exceeds the model's {config.num_kv_heads} KV "

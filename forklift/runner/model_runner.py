@@ -225,10 +225,6 @@ class ModelRunner:
         self.model.pack_weights()  # the packed copies derive from the weights
         return applied
 
-    def discard_weights(self) -> None:
-        self._tell_workers("discard_weights")
-        self._weight_updater.discard()
-
     @property
     def num_staged_weights(self) -> int:
         return self._weight_updater.num_staged

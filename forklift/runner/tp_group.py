@@ -26,6 +26,11 @@ def create_store(world_size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=_TIMEOUT, wait_for_workers=False)
 
 
+def connect_store(port: int, world_size: int) -> dist.TCPStore:
+    """A worker rank's client of rank 0's store."""
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=_TIMEOUT)
+
+
 class TensorParallelGroup:
     def __init__(
         self,

@@ -22,7 +22,7 @@ from forklift.config import EngineConfig
 from forklift.model.model_config import ModelConfig
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
 from forklift.model.tensor_parallel import check_tensor_parallel_size
-from forklift.runner.tp_group import _TIMEOUT, TensorParallelGroup, create_store
+from forklift.runner.tp_group import TensorParallelGroup, connect_store, create_store
 
 logger = logging.getLogger("forklift")
 
@@ -31,7 +31,7 @@ logger = logging.getLogger("forklift")
 class RankSpec:
     """What a worker rank needs to build the same runner as rank 0 (picklable)."""
 
-    model: str | None
+    model: str  # the path rank 0 resolved
     device: str
     dtype: torch.dtype
     max_model_len: int
@@ -44,7 +44,7 @@ class RankSpec:
 @dataclass
 class TensorParallelWorkers:
     group: TensorParallelGroup
-    store: dist.Store
+    store: dist.Store  # rank 0 hosts it: it must outlive the group
     processes: list[BaseProcess] = field(default_factory=list)
 
     def join(self, timeout_s: float = 30.0) -> None:
@@ -96,7 +96,7 @@ def serve_rank(rank: int, world: int, port: int, spec: RankSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cpu" and spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=_TIMEOUT)
+    store = connect_store(port, world)
     group = TensorParallelGroup(rank, world, store, device, spec.allow_cross_node)
     source = resolve_model(spec.model)
     model_config = load_model_config(source)
