@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--max-n", type=int, default=128, help="most samples (n) per request")
+    group.add_argument(
+        "--max-logprobs", type=int, default=20, help="most top logprobs per token a request gets"
+    )
     group.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
@@ -52,6 +56,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
     )
 
 
@@ -138,6 +144,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
+        limits=server_limits_from_args(args),
+    )
+
+
+def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
+    from forklift.server.limits import ServerLimits
+
+    defaults = ServerLimits()
+    group = parser.add_argument_group("request limits (each is an HTTP 4xx naming it)")
+    group.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    group.add_argument(
+        "--max-weights-body-bytes",
+        type=int,
+        default=defaults.max_weights_body_bytes,
+        help="largest POST /v1/weights body (streamed to a temporary file)",
+    )
+    group.add_argument(
+        "--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request
+    )
+
+
+def server_limits_from_args(args: argparse.Namespace) -> Any:
+    from forklift.server.limits import ServerLimits
+
+    return ServerLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_weights_body_bytes=args.max_weights_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
 
 
@@ -199,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="join this Ray cluster (HEAD:6379) instead of starting a local one",
     )
     add_engine_args(srv)
+    add_server_limit_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools")

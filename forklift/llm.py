@@ -100,7 +100,7 @@ class LLM:
         # Tokenize and validate every prompt before queueing any, so a bad one costs no work.
         tokenized = []
         for prompt, p in zip(prompts, params, strict=True):
-            p.validate()
+            engine.validate_params(p)
             text, prompt_ids = engine.tokenize_prompt(prompt)
             engine.validate_prompt(prompt_ids)
             salt = engine.cache_salt(prompt)

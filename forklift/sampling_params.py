@@ -89,9 +89,10 @@ class SamplingParams:
             f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             "logprobs",
-            f"must be an integer in [0, 20], got {self.logprobs}",
+            # The upper bound is the engine's max_logprobs (forklift/engine/request_limits.py).
+            f"must be a non-negative integer, got {self.logprobs}",
         )
         _check(
             self.logprobs_mode in LOGPROBS_MODES,

@@ -242,7 +242,7 @@ def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(llm, prompt, para
         ({"top_k": -3}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"n": 0}, "n"),
-        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),  # the upper bound is EngineConfig.max_logprobs
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),

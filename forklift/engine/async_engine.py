@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from forklift.engine.engine import LLMEngine, PromptType
+from forklift.engine.request_limits import check_context_length
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
@@ -89,10 +90,14 @@ class AsyncEngine:
             return f"{prefix}-{self._counter}"
 
     def validate(self, prompt: PromptType, params: SamplingParams) -> list[int]:
-        """Check a request before queueing it (read-only: safe off the engine thread)."""
-        params.validate()
+        """Check a request before queueing it (read-only: safe off the engine thread).
+
+        Stricter than the offline engine: prompt plus max_tokens must fit in max_model_len
+        (vLLM's server rule), where `LLMEngine` would stop the request at the limit."""
+        self.engine.validate_params(params)
         _, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt(ids)
+        check_context_length(len(ids), params.max_tokens, self.engine.max_model_len)
         return ids
 
     def num_pending(self) -> int:

@@ -23,6 +23,7 @@ from forklift.engine.output_processor import (
     mark_first_token,
 )
 from forklift.engine.request import FinishReason, Request
+from forklift.engine.request_limits import check_sampling_limits
 from forklift.engine.scheduler import Scheduler, SchedulerOutput
 from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
 from forklift.outputs import RequestMetrics, RequestOutput
@@ -221,6 +222,12 @@ class LLMEngine:
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
         )
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Check the fields, then the per-request limits of the config (ValueError naming the
+        field): no request can ask for unbounded work, e.g. n=100000 sequences."""
+        params.validate()
+        check_sampling_limits(params, self.config, self.model_config.vocab_size)
+
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -245,7 +252,7 @@ class LLMEngine:
         if self.sleep_level:
             raise ValueError("the engine is asleep: call wake_up() before generating")
         params = params or SamplingParams()
-        params.validate()
+        self.validate_params(params)
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids)
         cache_key = self._cache_key(prompt)

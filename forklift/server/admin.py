@@ -7,12 +7,14 @@ swap never lands in the middle of a forward pass.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from fastapi import FastAPI, Request
 from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 
 from forklift.engine.engine import LLMEngine
 from forklift.server.errors import APIError
@@ -36,11 +38,7 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/weights")
     async def push_weights(request: Request, finalize: bool = False) -> dict[str, Any]:
         """A safetensors payload of HF-named tensors, staged; `?finalize=true` also applies."""
-        payload = await request.body()
-        try:
-            tensors = load_safetensors(payload)
-        except (SafetensorError, ValueError) as exc:
-            raise APIError(400, f"the body is not a safetensors payload: {exc}") from exc
+        tensors = await _read_safetensors(request)
         if not tensors:
             raise APIError(400, "the safetensors payload holds no tensors")
 
@@ -93,3 +91,16 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def wake_up() -> dict[str, int]:
         await on_engine(lambda engine: engine.wake_up())
         return {"sleep_level": 0}
+
+
+async def _read_safetensors(request: Request) -> dict[str, torch.Tensor]:
+    """The body, streamed to a temporary file (never whole in memory), then parsed off the
+    event loop. Its size is bounded by `ServerLimits.max_weights_body_bytes`."""
+    with tempfile.NamedTemporaryFile(prefix="forklift-weights-", suffix=".safetensors") as file:
+        async for chunk in request.stream():
+            file.write(chunk)
+        file.flush()
+        try:
+            return await asyncio.to_thread(load_file, file.name)
+        except (SafetensorError, ValueError, OSError) as exc:
+            raise APIError(400, f"the body is not a safetensors payload: {exc}") from exc

@@ -16,9 +16,11 @@ from forklift import __version__
 from forklift.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from forklift.engine.engine import LLMEngine
 from forklift.server.admin import ADMIN_PATHS, add_admin_routes
+from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.chat import chat_prompt_ids, create_chat_completion
 from forklift.server.completions import create_completion
 from forklift.server.errors import APIError, error_response
+from forklift.server.limits import ServerLimits
 from forklift.server.metrics import ServerMetrics
 from forklift.server.protocol import (
     ChatCompletionRequest,
@@ -34,10 +36,12 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_waiting_requests, on_step=metrics.observe_step)
-    ctx = ServerContext(async_engine, served_model_name)
+    limits = limits or ServerLimits()
+    ctx = ServerContext(async_engine, served_model_name, limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,6 +52,7 @@ def build_app(
     app.state.ctx = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit_for=limits.body_limit)
     if api_key is not None:
         install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)

@@ -48,11 +48,18 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    max_logprobs = ctx.async_engine.engine.config.max_logprobs
+    if body.top_logprobs is not None and body.top_logprobs > max_logprobs:
+        raise APIError(
+            400,
+            f"top_logprobs is {body.top_logprobs}, more than the limit max_logprobs={max_logprobs}",
+            "top_logprobs",
+        )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    params = make_params(body, max_tokens, logprobs)
+    params = make_params(ctx, body, max_tokens, logprobs)
     prompt = chat_prompt_ids(
         ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )

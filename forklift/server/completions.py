@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from forklift.outputs import CompletionOutput, RequestOutput
 from forklift.server.errors import APIError
+from forklift.server.limits import at_most
 from forklift.server.protocol import CompletionRequest
 from forklift.server.serving import (
     ChoiceProgress,
@@ -29,6 +30,8 @@ def prompt_list(ctx: ServerContext, prompt: Any) -> list[list[int]]:
         raise APIError(400, "prompt must not be empty", "prompt")
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)]
+    limit = ctx.limits.max_prompts_per_request
+    at_most("prompt", len(prompt), limit, "max_prompts_per_request")
     return [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
@@ -38,7 +41,7 @@ async def create_completion(
     ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    params = make_params(body, body.max_tokens, body.logprobs)
+    params = make_params(ctx, body, body.max_tokens, body.logprobs)
     run = launch(ctx, "cmpl", prompt_list(ctx, body.prompt), params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")

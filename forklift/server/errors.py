@@ -11,6 +11,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     503: "server_overloaded",
 }
 
@@ -52,4 +53,5 @@ def bad_request(exc: ValueError) -> APIError:
     message = str(exc)
     match = re.search(r"SamplingParams\.(\w+)", message)
     param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+    param = getattr(exc, "param", None) or param  # a LimitError names its field itself
     return APIError(HTTPStatus.BAD_REQUEST, message, param)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
+from forklift.server.limits import ServerLimits, check_extra_fields
 from forklift.server.protocol import SamplingFields
 from forklift.server.streams import merge_streams
 from forklift.tokenizer import Tokenizer
@@ -21,6 +22,7 @@ from forklift.tokenizer import Tokenizer
 class ServerContext:
     async_engine: AsyncEngine
     served_model_name: str
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -76,8 +78,9 @@ def launch(
 
 
 def make_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
+    check_extra_fields(body.model_extra or {}, ctx.limits, ctx.async_engine.engine.config)
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as exc:
