@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -104,9 +105,13 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(
+                chat_prompt_ids, ctx, body.messages, body.add_generation_prompt
+            )
         else:
-            tokens = ctx.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+            tokenizer = ctx.tokenizer
+            text = body.prompt or ""
+            tokens = await asyncio.to_thread(tokenizer.encode, text, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -60,10 +61,11 @@ async def create_chat_completion(
     if max_tokens is None:
         max_tokens = body.max_tokens
     params = make_params(ctx, body, max_tokens, logprobs)
-    prompt = chat_prompt_ids(
-        ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+    # Rendering the template and tokenizing run in a worker thread, off the event loop.
+    prompt = await asyncio.to_thread(
+        chat_prompt_ids, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )
-    run = launch(ctx, "chatcmpl", [prompt], params, body.cache_salt)
+    run = await launch(ctx, "chatcmpl", [prompt], params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -42,7 +43,9 @@ async def create_completion(
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     params = make_params(ctx, body, body.max_tokens, body.logprobs)
-    run = launch(ctx, "cmpl", prompt_list(ctx, body.prompt), params, body.cache_salt)
+    # Tokenizing a long prompt list is real work: off the event loop, like the validation.
+    prompts = await asyncio.to_thread(prompt_list, ctx, body.prompt)
+    run = await launch(ctx, "cmpl", prompts, params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)

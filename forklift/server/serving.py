@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -51,17 +52,24 @@ class Launch:
     stream: AsyncIterator[tuple[int, RequestOutput]]
 
 
-def launch(
+async def launch(
     ctx: ServerContext,
     prefix: str,
     prompts: list[list[int]],
     params: SamplingParams,
     cache_salt: str | None = None,
 ) -> Launch:
-    """Validate every prompt first, then start them all; a bad one starts none."""
+    """Validate every prompt first, then start them all; a bad one starts none.
+
+    Validation reads every token id, so it runs in a worker thread; queueing stays on the
+    event loop, whose streams the engine thread feeds."""
     engine = ctx.async_engine
+
+    def validate_all() -> list[list[int]]:
+        return [engine.validate({"prompt_token_ids": p}, params) for p in prompts]
+
     try:
-        ids = [engine.validate({"prompt_token_ids": p}, params) for p in prompts]
+        ids = await asyncio.to_thread(validate_all)
     except ValueError as exc:
         raise bad_request(exc) from exc
     response_id = f"{prefix}-{uuid.uuid4().hex}"
