@@ -136,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             api_key=args.api_key,
             served_model_name=args.served_model_name,
+            enable_trainer_routes=args.enable_trainer_routes,
         )
     return serve(
         engine_config_from_args(args),
@@ -145,6 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
         limits=server_limits_from_args(args),
+        enable_trainer_routes=args.enable_trainer_routes,
     )
 
 
@@ -234,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(srv)
     add_server_limit_args(srv)
+    srv.add_argument(
+        "--enable-trainer-routes",
+        action="store_true",
+        help="serve POST /v1/weights, /pause, /resume, /sleep, /wake_up, /reset_prefix_cache "
+        "(needs --api-key unless the host is loopback)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools")

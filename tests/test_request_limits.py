@@ -41,7 +41,7 @@ def engine(tiny_dir):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    app = build_app(engine, "tiny", limits=LIMITS)
+    app = build_app(engine, "tiny", limits=LIMITS, enable_trainer_routes=True)
     with running_server(app) as base:
         yield base
 

@@ -62,7 +62,8 @@ def server(tiny):
     engine = LLMEngine(
         EngineConfig(model=str(tiny.path), dtype="float32", max_model_len=128, block_size=4)
     )
-    with running_server(build_app(engine, "tiny", api_key=KEY)) as url:
+    app = build_app(engine, "tiny", api_key=KEY, enable_trainer_routes=True)
+    with running_server(app) as url:
         yield url, engine
 
 
@@ -136,3 +137,63 @@ def test_pause_holds_requests_until_resume(server):
         response = result["response"]
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 4
+
+
+TRAINER_ROUTES = (
+    "/v1/weights",
+    "/v1/weights/commit",
+    "/pause",
+    "/resume",
+    "/sleep",
+    "/wake_up",
+    "/reset_prefix_cache",
+)
+
+
+def test_trainer_routes_are_off_unless_enabled(tiny):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny.path), dtype="float32", max_model_len=64, block_size=4)
+    )
+    with running_server(build_app(engine, "tiny")) as url:
+        for path in TRAINER_ROUTES:
+            response = httpx.post(url + path, content=b"x")
+            assert response.status_code == 404, path
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(url + "/is_paused").status_code == 404
+        assert httpx.get(url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "api_key", "enabled", "refused"),
+    [
+        ("0.0.0.0", None, True, True),
+        ("192.168.1.5", None, True, True),
+        ("my-host.example", None, True, True),
+        ("0.0.0.0", "k", True, False),
+        ("127.0.0.1", None, True, False),
+        ("localhost", None, True, False),
+        ("::1", None, True, False),
+        ("0.0.0.0", None, False, False),
+    ],
+)
+def test_trainer_routes_on_the_network_need_an_api_key(host, api_key, enabled, refused):
+    from forklift.server.exposure import check_trainer_routes_exposure
+
+    if refused:
+        with pytest.raises(ValueError, match="add --api-key KEY"):
+            check_trainer_routes_exposure(host, api_key, enabled)
+    else:
+        check_trainer_routes_exposure(host, api_key, enabled)
+
+
+def test_forklift_serve_refuses_open_trainer_routes_before_loading_anything():
+    from test_cli import forklift_command
+
+    done = subprocess.run(
+        [*forklift_command(), "serve", "--host", "0.0.0.0", "--enable-trainer-routes"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--enable-trainer-routes" in done.stderr and "--api-key" in done.stderr

@@ -18,6 +18,7 @@ import uvicorn
 from forklift.config import EngineConfig
 from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
 from forklift.dp.router import Router
+from forklift.server.exposure import check_trainer_routes_exposure
 from forklift.server.serve import AnnouncingServer, default_served_name, ready_line
 
 # How long the first start of every replica may take (model load included).
@@ -51,12 +52,14 @@ def serve_data_parallel(
     ray_address: str | None = None,
     api_key: str | None = None,
     served_model_name: str | None = None,
+    enable_trainer_routes: bool = False,
     out: TextIO = sys.stdout,
 ) -> int:
     import ray
 
     from forklift.dp.replica import ReplicaServer
 
+    check_trainer_routes_exposure(host, api_key, enable_trainer_routes)
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check
@@ -73,7 +76,7 @@ def serve_data_parallel(
     replica_host = "127.0.0.1" if local else None
     actors = [
         actor_class.options(scheduling_strategy="SPREAD").remote(
-            kwargs, name, api_key, replica_host
+            kwargs, name, api_key, replica_host, enable_trainer_routes
         )
         for _ in range(data_parallel_size)
     ]

@@ -27,13 +27,16 @@ class ReplicaServer:
         served_model_name: str,
         api_key: str | None,
         host: str | None,
+        enable_trainer_routes: bool = False,
     ) -> None:
         if host is None:  # on a node of a Ray cluster: the address other nodes reach it at
             import ray
 
             host = ray.util.get_node_ip_address()
         engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
-        app = build_app(engine, served_model_name, api_key)
+        app = build_app(
+            engine, served_model_name, api_key, enable_trainer_routes=enable_trainer_routes
+        )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))

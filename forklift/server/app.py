@@ -38,7 +38,9 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     limits: ServerLimits | None = None,
+    enable_trainer_routes: bool = False,
 ) -> FastAPI:
+    """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request."""
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_waiting_requests, on_step=metrics.observe_step)
     limits = limits or ServerLimits()
@@ -57,7 +59,8 @@ def build_app(
     if api_key is not None:
         install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)
-    add_admin_routes(app, ctx)
+    if enable_trainer_routes:
+        add_admin_routes(app, ctx)
     return app
 
 

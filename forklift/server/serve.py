@@ -14,6 +14,7 @@ from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
 from forklift.model.model_source import DEFAULT_MODEL_FILE
 from forklift.server.app import build_app
+from forklift.server.exposure import check_trainer_routes_exposure
 from forklift.server.limits import ServerLimits
 
 logger = logging.getLogger("forklift")
@@ -57,11 +58,13 @@ def serve(
     served_model_name: str | None = None,
     max_waiting_requests: int | None = None,
     limits: ServerLimits | None = None,
+    enable_trainer_routes: bool = False,
     out: TextIO = sys.stdout,
 ) -> int:
+    check_trainer_routes_exposure(host, api_key, enable_trainer_routes)  # before any loading
     engine = LLMEngine(config)
     name = served_model_name or default_served_name(config.model)
-    app = build_app(engine, name, api_key, max_waiting_requests, limits)
+    app = build_app(engine, name, api_key, max_waiting_requests, limits, enable_trainer_routes)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = AnnouncingServer(uv_config, ready_line(host, port, name, api_key), out)
     server.run()
