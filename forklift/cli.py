@@ -147,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         limits=server_limits_from_args(args),
         enable_trainer_routes=args.enable_trainer_routes,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
@@ -241,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve POST /v1/weights, /pause, /resume, /sleep, /wake_up, /reset_prefix_cache "
         "(needs --api-key unless the host is loopback)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM / SIGINT (then aborted)",
     )
     srv.set_defaults(func=cmd_serve)
 

@@ -18,8 +18,9 @@ import uvicorn
 from forklift.config import EngineConfig
 from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
 from forklift.dp.router import Router
+from forklift.server.announce import AnnouncingServer, ready_line
 from forklift.server.exposure import check_trainer_routes_exposure
-from forklift.server.serve import AnnouncingServer, default_served_name, ready_line
+from forklift.server.serve import default_served_name
 
 # How long the first start of every replica may take (model load included).
 _STARTUP_TIMEOUT_S = 900.0

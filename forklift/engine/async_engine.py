@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error."""
 
 
+class EngineDrainingError(Exception):
+    """The server is shutting down: it finishes what it has and takes nothing new."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -78,6 +82,7 @@ class AsyncEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._stopped = False
+        self._accepting = True
         self._error: BaseException | None = None
         self._counter = 0
         self._thread = threading.Thread(target=self._run, name="forklift-engine", daemon=True)
@@ -119,6 +124,8 @@ class AsyncEngine:
         """
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error}")
+        if not self._accepting:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
         loop = asyncio.get_running_loop()
         streams = []
         with self._lock:
@@ -183,6 +190,29 @@ class AsyncEngine:
         self._unpaused.set()
         self._wake.set()
 
+    # ---- graceful shutdown ------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on; those already queued or running carry on."""
+        self._accepting = False
+
+    def is_idle(self) -> bool:
+        """No request is queued, running, or still being streamed to its caller."""
+        with self._lock:
+            return not self._streams and not any(isinstance(c, _Add) for c in self._commands)
+
+    def abort_all(self) -> int:
+        """Abort every request (finish reason "abort"); returns how many. Resumes a paused
+        engine so that the aborts, applied between steps, take effect."""
+        with self._lock:
+            ids = list(self._streams)
+            self._commands.extend(_Abort(request_id) for request_id in ids)
+        self.resume()
+        return len(ids)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._unpaused.set()
@@ -242,6 +272,8 @@ class AsyncEngine:
                 stream = self._streams.get(command.request_id)
             if isinstance(command, _Abort):
                 aborted = self.engine.abort_request(command.request_id)
+                # A caller still reading (abort_all at shutdown) gets its "abort" output.
+                self._deliver(aborted)
                 if aborted and self._on_step is not None:
                     self._on_step(self.engine, aborted)
                 continue

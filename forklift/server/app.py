@@ -14,7 +14,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forklift import __version__
-from forklift.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from forklift.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+)
 from forklift.engine.engine import LLMEngine
 from forklift.server.admin import ADMIN_PATHS, add_admin_routes
 from forklift.server.body_limit import BodyLimitMiddleware
@@ -96,7 +101,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 while shutting down, so a load balancer stops sending requests here.
+        return Response(status_code=200 if ctx.async_engine.accepting else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -153,6 +159,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
         return error_response(503, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDrainingError)
+    async def draining(_: Request, exc: EngineDrainingError) -> JSONResponse:
+        return error_response(503, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:

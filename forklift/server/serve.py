@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -13,9 +12,11 @@ import uvicorn
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
 from forklift.model.model_source import DEFAULT_MODEL_FILE
+from forklift.server.announce import ready_line
 from forklift.server.app import build_app
 from forklift.server.exposure import check_trainer_routes_exposure
 from forklift.server.limits import ServerLimits
+from forklift.server.shutdown import DrainingServer
 
 logger = logging.getLogger("forklift")
 
@@ -24,30 +25,6 @@ def default_served_name(model: str | None) -> str:
     if model is None:
         return Path(DEFAULT_MODEL_FILE).name.split(".")[0]
     return model
-
-
-def ready_line(host: str, port: int, model_name: str, api_key: str | None) -> str:
-    url = f"http://{host}:{port}"
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    return (
-        f"forklift: ready at {url}/v1 (model {model_name}); try: curl {url}/v1/chat/completions"
-        f" -H 'Content-Type: application/json'{auth} -d '{body}'"
-    )
-
-
-class AnnouncingServer(uvicorn.Server):
-    """Prints the ready line once the socket is bound, not before."""
-
-    def __init__(self, config: uvicorn.Config, line: str, out: TextIO) -> None:
-        super().__init__(config)
-        self._line = line
-        self._out = out
-
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
-        await super().startup(sockets)
-        if self.started:
-            print(self._line, file=self._out, flush=True)
 
 
 def serve(
@@ -59,6 +36,7 @@ def serve(
     max_waiting_requests: int | None = None,
     limits: ServerLimits | None = None,
     enable_trainer_routes: bool = False,
+    shutdown_timeout_s: float = 30.0,
     out: TextIO = sys.stdout,
 ) -> int:
     check_trainer_routes_exposure(host, api_key, enable_trainer_routes)  # before any loading
@@ -66,6 +44,10 @@ def serve(
     name = served_model_name or default_served_name(config.model)
     app = build_app(engine, name, api_key, max_waiting_requests, limits, enable_trainer_routes)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    server = AnnouncingServer(uv_config, ready_line(host, port, name, api_key), out)
-    server.run()
+    line = ready_line(host, port, name, api_key)
+    server = DrainingServer(uv_config, line, out, app.state.ctx.async_engine, shutdown_timeout_s)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # tensor-parallel workers
     return 0

@@ -1,0 +1,65 @@
+"""Graceful shutdown of `forklift serve` on SIGTERM / SIGINT.
+
+The first signal stops new requests (503) and lets the running ones finish for up to
+`timeout_s`; then whatever is left is aborted (finish reason "abort"), every block is
+freed, and the server exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import FrameType
+from typing import TextIO
+
+import uvicorn
+
+from forklift.engine.async_engine import AsyncEngine
+from forklift.server.announce import AnnouncingServer
+
+logger = logging.getLogger("forklift")
+
+# How long uvicorn may take to finish writing responses once the engine is idle.
+_CLOSE_CONNECTIONS_S = 5.0
+
+
+class DrainingServer(AnnouncingServer):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        line: str,
+        out: TextIO,
+        async_engine: AsyncEngine,
+        timeout_s: float,
+    ) -> None:
+        config.timeout_graceful_shutdown = config.timeout_graceful_shutdown or _CLOSE_CONNECTIONS_S
+        super().__init__(config, line, out)
+        self._engine = async_engine
+        self._timeout_s = timeout_s
+        self._deadline: float | None = None
+        self._aborted = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's: it would stop listening at once (refused connections, not 503s)
+        # and re-raise the signal after shutting down (a non-zero exit).
+        if self._deadline is not None:
+            logger.warning("forklift: second signal, exiting now")
+            os._exit(128 + sig)
+        logger.warning(
+            "forklift: shutting down; new requests get 503, running ones have %.0f s to finish"
+            " (signal again to exit now)",
+            self._timeout_s,
+        )
+        self._deadline = time.monotonic() + self._timeout_s
+        self._engine.stop_accepting()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._deadline is not None:
+            if self._engine.is_idle():
+                return True
+            if time.monotonic() >= self._deadline and not self._aborted:
+                self._aborted = True
+                count = self._engine.abort_all()
+                logger.warning("forklift: shutdown timeout, aborted %d request(s)", count)
+        return await super().on_tick(counter)
