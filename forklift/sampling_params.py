@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 LOGPROBS_MODES = ("processed", "raw")
+_INT64_LIMIT = 2**63
 
 
 @dataclass
@@ -49,6 +51,23 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        # Sizes become int64 tensors and floats feed the sampler: out-of-range integers and
+        # NaN / infinity must be a clear error here, never an overflow on the engine thread.
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            _check(
+                value is None or not isinstance(value, int) or abs(value) < _INT64_LIMIT,
+                name,
+                f"must be below 2**63, got {value}",
+            )
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float) and math.isfinite(value),
+                name,
+                f"must be a finite number, got {value}",
+            )
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

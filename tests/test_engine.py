@@ -247,6 +247,9 @@ def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(llm, prompt, para
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"top_k": 2**70}, "top_k"),  # would overflow an int64 tensor on the engine thread
+        ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):

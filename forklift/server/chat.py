@@ -21,6 +21,11 @@ from forklift.server.serving import (
 )
 from forklift.server.streams import collect_unless_disconnected, sse
 
+# Variables the server passes to the chat template itself; a request may not override them.
+_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
+)
+
 
 def chat_prompt_ids(
     ctx: ServerContext,
@@ -31,13 +36,21 @@ def chat_prompt_ids(
     tokenizer = ctx.tokenizer
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & _TEMPLATE_VARIABLES)
+    if reserved:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
+            "chat_template_kwargs",
+        )
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            conversation, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from exc
+    except (ValueError, TypeError) as exc:  # TypeError: a template choking on request data
+        raise APIError(400, f"the chat template failed on this request: {exc}", "messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)
 
 
