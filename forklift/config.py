@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# vLLM's option name and values (the subset forklift has kernels for).
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -28,6 +32,11 @@ class EngineConfig:
     model: str | None = None
     # "auto" = bfloat16 where the hardware is good at it (GPU, CPU with AMX/AVX512-BF16), else fp32.
     dtype: str = "auto"
+    # Weight-only quantization: "auto" serves a GGUF file at its own precision (Q4_0 / Q4_1 as
+    # int4, Q8_0 as int8) on a CPU unless dtype is explicitly float32 / float16, and keeps HF
+    # directories dense; "none" dequantizes to dtype; "int8" / "int4" round any model's
+    # weights at load. Quantized layers compute in bf16.
+    quantization: str = "auto"
     # "auto" = CUDA when available, else CPU.
     device: str = "auto"
     # Tokens per KV-cache block.
@@ -60,6 +69,17 @@ class EngineConfig:
     allow_cross_node_tensor_parallel: bool = False
     # Batch-size buckets of captured decode; None = 1, 2, 4, 8, 16, 24, 32, ... max_num_seqs.
     decode_capture_sizes: tuple[int, ...] | None = None
+    # Per-request limits, checked before a request is queued (a ValueError naming the field;
+    # HTTP 400 from the server). They bound the work one request can ask for.
+    # Samples per request (`n`): each is a sequence the engine thread creates and schedules.
+    max_n: int = 128
+    # Top logprobs per token (`logprobs`, chat's `top_logprobs`); vLLM's name and default.
+    max_logprobs: int = 20
+    # Stop strings per request, and characters per stop string (matched after every token).
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 512
+    # Entries of `stop_token_ids`.
+    max_stop_token_ids: int = 256
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +100,11 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(_DTYPES)}; got {self.dtype!r}"
             )
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                f"got {self.quantization!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")
         _positive("block_size", self.block_size)
@@ -89,6 +114,9 @@ class EngineConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive("num_threads", self.num_threads, optional=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        for limit in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars",
+                      "max_stop_token_ids"):  # fmt: skip
+            _positive(limit, getattr(self, limit))
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(
                 f"enforce_eager must be True, False or None, got {self.enforce_eager!r}"
@@ -134,6 +162,7 @@ class EngineConfig:
         return max(2048, self.max_num_seqs)
 
 
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
     try:

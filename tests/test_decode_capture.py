@@ -57,7 +57,7 @@ def _decode_inputs(batch: int, width: int, fill: int) -> tuple[torch.Tensor, ...
         query_index=torch.arange(batch)[:, None],
         padded_index=torch.arange(batch),
         token_index=torch.arange(batch),
-        kv_slots=torch.full((batch, width), fill),
+        kv_blocks=torch.full((batch, width), fill),
         mask=torch.ones(batch, 1, 1, width, dtype=torch.bool),
     )
     return ids, positions, AttentionMetadata(torch.arange(batch) * fill, [group])
@@ -82,7 +82,7 @@ def test_capture_once_per_shape_then_replay_with_fresh_inputs():
 
     def forward(static: StaticDecodeInputs) -> torch.Tensor:
         seen.append(static)
-        kv = static.meta.groups[0].kv_slots.float().sum(1)
+        kv = static.meta.groups[0].kv_blocks.float().sum(1)
         return static.input_ids.float() + static.positions + kv
 
     backend = RecordingBackend()
@@ -188,7 +188,13 @@ def test_padded_rows_decode_in_the_null_block_and_sample_nothing(tmp_path):
     assert inputs.meta.slot_mapping.tolist()[1:] == [0, 0, 0]
     assert inputs.sample_index.tolist() == [0]
     group = inputs.meta.groups[0]
-    assert group.kv_slots.shape == (4, 64)
-    # A padded row attends to exactly the null block's first slot (finite, never NaN).
-    assert group.mask[1:, 0, 0].sum(-1).tolist() == [1, 1, 1]
-    assert group.mask[0, 0, 0].sum().item() == 6
+    # Whole blocks: 64 key positions in blocks of block_size; padded rows read the null block.
+    width = 64 // engine.config.block_size
+    assert group.kv_blocks.shape == (4, width)
+    assert group.kv_blocks[1:].tolist() == [[0] * width] * 3
+    # Decode masks are float biases: 0 where a query attends, -inf elsewhere. A padded row
+    # attends to exactly the null block's first slot (finite, never NaN).
+    attends = group.mask == 0
+    assert (attends | (group.mask == float("-inf"))).all()
+    assert attends[1:, 0, 0].sum(-1).tolist() == [1, 1, 1]
+    assert attends[0, 0, 0].sum().item() == 6

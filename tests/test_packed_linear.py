@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import forklift.model.layers.linear as linear_module
 from forklift.model.layers.linear import Linear, can_pack
 
 
@@ -35,7 +36,22 @@ def test_packed_linear_matches_f_linear_and_follows_repacking():
     assert layer.weight.grad is not None
 
 
-def test_non_float32_weights_are_not_packed():
-    layer = Linear(8, 8).to(torch.bfloat16)
+def test_half_weights_are_never_packed():
+    layer = Linear(8, 8).to(torch.float16)
     layer.pack()
     assert layer.packed_weight is None
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_weights_are_packed_only_on_cpus_with_bf16_units(monkeypatch, fast_bf16):
+    monkeypatch.setattr(linear_module, "cpu_has_fast_bf16", lambda: fast_bf16)
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=False).to(torch.bfloat16)
+    layer.pack()
+    if not can_pack(torch.zeros(1)):
+        assert layer.packed_weight is None
+        return
+    assert (layer.packed_weight is not None) == fast_bf16
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=2e-2, atol=2e-2)

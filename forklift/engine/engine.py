@@ -25,7 +25,13 @@ from forklift.engine.output_processor import (
 from forklift.engine.request import FinishReason, Request
 from forklift.engine.request_limits import check_sampling_limits
 from forklift.engine.scheduler import Scheduler, SchedulerOutput
-from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
+from forklift.model.model_source import (
+    iter_model_weights,
+    load_model_config,
+    quantization_plan,
+    resolve_model,
+)
+from forklift.model.quantize import resolve_quantization
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.model_runner import ModelRunner
@@ -91,6 +97,9 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = self._resolve_max_model_len()
+        self.quantization = resolve_quantization(
+            config.quantization, config.dtype, source.format, self.device
+        )
         self._tp_workers = start_tensor_parallel(
             config,
             self.model_config,
@@ -104,6 +113,7 @@ class LLMEngine:
                 sliding_window=self.model_config.sliding_window,
                 num_threads=cpu_threads_per_rank(config),
                 allow_cross_node=config.allow_cross_node_tensor_parallel,
+                quantization=self.quantization,
             ),
         )
         self.runner = ModelRunner(
@@ -118,6 +128,7 @@ class LLMEngine:
             enforce_eager=config.resolve_enforce_eager(self.device) or self._tp_workers is not None,
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
             tp=self._tp_workers.group if self._tp_workers else None,
+            quantization=quantization_plan(source, self.model_config, self.quantization),
         )
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
@@ -195,6 +206,7 @@ class LLMEngine:
             self.max_model_len,
             plan.max_concurrency(self.max_model_len),
         )
+        logger.info("%s", self.runner.quantization_report.summary())
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

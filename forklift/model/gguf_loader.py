@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import torch
 
+from forklift.model.layers.quantized import GROUP_SIZE, Int4Groups
 from forklift.model.model_config import ModelConfig
 
 _GGUF_MAGIC = b"GGUF"
@@ -235,6 +236,53 @@ def iter_gguf_weights(
         if config.architecture in _PERMUTED_ARCHITECTURES:
             array = _unpermute_rotary(array, tensor.name, config)
         yield name, torch.from_numpy(array)
+
+
+# Block types that are the int4 kernel's form as they stand: 32 values, a scale and an offset.
+_INT4_BLOCKS = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}
+
+
+def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
+    """HF parameter name -> the GGUF block type it is stored in (Q4_1, Q8_0, F32, ...)."""
+    return {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+
+
+def iter_gguf_int4_groups(
+    reader: gguf.GGUFReader, config: ModelConfig
+) -> Iterator[tuple[str, Int4Groups]]:
+    """Yield `(hf_name, Int4Groups)` for every Q4_0 / Q4_1 tensor, read from its blocks with no
+    dense detour: Q4_1 is d * q + m, i.e. scale d and zero m + 8d; Q4_0 is d * (q - 8)."""
+    for tensor in reader.tensors:
+        block_bytes = _INT4_BLOCKS.get(tensor.tensor_type)
+        if block_bytes is None:
+            continue
+        groups = _int4_groups(tensor, block_bytes)
+        if config.architecture in _PERMUTED_ARCHITECTURES:
+            groups = Int4Groups(
+                *(
+                    torch.from_numpy(_unpermute_rotary(part.numpy(), tensor.name, config))
+                    for part in (groups.codes, groups.scales, groups.zeros)
+                )
+            )
+        yield hf_tensor_name(tensor.name), groups
+
+
+def _int4_groups(tensor: Any, block_bytes: int) -> Int4Groups:
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml order: [K, N]
+    blocks = np.asarray(tensor.data).reshape(rows, cols // GROUP_SIZE, block_bytes)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scales
+    else:
+        zeros = np.zeros_like(scales)
+    nibbles = blocks[..., block_bytes - GROUP_SIZE // 2 :]
+    # Element j of a block is the low nibble of byte j for j < 16, the high one of byte j - 16.
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
+    return Int4Groups(
+        torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(scales),
+        torch.from_numpy(zeros),
+    )
 
 
 def _dequantize(reader: gguf.GGUFReader, tensor: Any) -> np.ndarray:

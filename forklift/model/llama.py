@@ -19,6 +19,7 @@ from torch import nn
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
+from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
 from forklift.model.model_config import ModelConfig
 from forklift.model.tensor_parallel import TensorParallelShard
@@ -198,15 +199,19 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32, only for the rows that sample."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
+        elif self.quantized_head is not None and hidden.shape[0] <= QUANTIZED_MAX_ROWS:
+            logits = quantized_linear(hidden, self.quantized_head, None)
         else:
             weight = self.embed_tokens.weight
-            logits = packed_linear(hidden, weight, self._packed_tied_head, None)
+            logits = packed_linear(hidden, weight, self.packed_tied_head, None)
         if self.tp is not None:
             gathered = self.tp.all_gather_cat(logits, dim=-1)
             logits = gathered[:, : self.full_config.vocab_size]
         return logits.float()
 
-    _packed_tied_head: torch.Tensor | None = None
+    packed_tied_head: torch.Tensor | None = None
+    # The tied head as int8 rows (set by model/quantize.py); the embedding lookup stays dense.
+    quantized_head: PackedInt8 | None = None
 
     def pack_weights(self) -> None:
         """(Re)build the packed copies of every linear weight; call after weights change."""
@@ -214,18 +219,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
-            self._packed_tied_head = pack_weight(self.embed_tokens.weight)
+            self.packed_tied_head = pack_weight(self.embed_tokens.weight)
 
     def unpack_weights(self) -> None:
         for module in self.modules():
             if isinstance(module, Linear):
                 module.unpack()
-        self._packed_tied_head = None
+        self.packed_tied_head = None
+        self.quantized_head = None
 
     def packed_bytes(self) -> int:
-        tensors = [m.packed_weight for m in self.modules() if isinstance(m, Linear)]
-        tensors.append(self._packed_tied_head)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes of the derived weight copies: oneDNN-packed and quantized."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        tensors = [m.packed_weight for m in linears]
+        tensors.append(self.packed_tied_head)
+        packed = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        quantized = [m.quantized for m in linears] + [self.quantized_head]
+        return packed + sum(q.nbytes for q in quantized if q is not None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
@@ -251,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set()
-        for hf_name in _expected_hf_names(self.config):
+        for hf_name in expected_hf_names(self.config):
             slot = weight_slot(hf_name, self.config)
             if slot is not None:
                 expected.add(slot.key)
@@ -317,7 +327,7 @@ def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
     return WeightSlot(prefix + rest)
 
 
-def _expected_hf_names(config: ModelConfig) -> list[str]:
+def expected_hf_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

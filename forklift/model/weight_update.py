@@ -29,6 +29,11 @@ class WeightUpdater:
     def num_staged(self) -> int:
         return len(self._staged)
 
+    @property
+    def staged_params(self) -> set[str]:
+        """The model parameters the pending update writes to."""
+        return {slot.param for slot, _ in self._staged.values()}
+
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check and stage tensors; returns how many are pending. Raises ValueError (and
         drops everything pending) on an unknown name, a wrong shape or a wrong dtype."""

@@ -74,27 +74,32 @@ def _group(
     padded_index = row * max_q + offset
 
     kv_lens = starts + query_lens
-    kv_pos = np.arange(max(int(kv_lens.max()), min_kv_width))[None, :]
+    # Whole blocks are read: the key width is a multiple of block_size, padding masked.
+    num_blocks = -(-max(int(kv_lens.max()), min_kv_width) // block_size)
+    kv_blocks = np.zeros((count, num_blocks), dtype=np.int64)  # padding -> the null block
+    width = min(num_blocks, table.shape[1])
+    kv_blocks[:, :width] = table[:, :width]
+    kv_pos = np.arange(num_blocks * block_size)[None, :]
     kv_valid = kv_pos < kv_lens[:, None]
-    block_of = np.minimum(kv_pos // block_size, table.shape[1] - 1)
-    kv_slots = table[np.arange(count)[:, None], block_of] * block_size + kv_pos % block_size
-    kv_slots = np.where(kv_valid, kv_slots, 0)
 
     q_pos = starts[:, None] + np.arange(max_q)[None, :]  # [S, Q]
     mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     if sliding_window is not None:
         mask &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    if max_q == 1:
+        # Decode attention adds the mask to float32 scores (see paged_attention).
+        mask = np.where(mask, np.float32(0), np.float32(-np.inf))
     return AttentionGroup(
         query_index=_tensor(query_index, device),
         padded_index=_tensor(padded_index, device),
         token_index=_tensor(token_index, device),
-        kv_slots=_tensor(kv_slots, device),
+        kv_blocks=_tensor(kv_blocks, device),
         mask=_tensor(mask[:, None, :, :], device),
     )
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     array = np.ascontiguousarray(array)
-    if array.dtype != np.bool_:
+    if array.dtype.kind in "iu":
         array = array.astype(np.int64, copy=False)
     return torch.from_numpy(array).to(device)

@@ -83,7 +83,7 @@ class StaticDecodeInputs:
                         query_index=group.query_index.clone(),
                         padded_index=group.padded_index.clone(),
                         token_index=group.token_index.clone(),
-                        kv_slots=group.kv_slots.clone(),
+                        kv_blocks=group.kv_blocks.clone(),
                         mask=group.mask.clone(),
                     )
                 ],
@@ -97,7 +97,7 @@ class StaticDecodeInputs:
         self.input_ids.copy_(input_ids)
         self.positions.copy_(positions)
         self.meta.slot_mapping.copy_(meta.slot_mapping)
-        self.meta.groups[0].kv_slots.copy_(meta.groups[0].kv_slots)
+        self.meta.groups[0].kv_blocks.copy_(meta.groups[0].kv_blocks)
         self.meta.groups[0].mask.copy_(meta.groups[0].mask)
 
 

@@ -14,6 +14,13 @@ from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
+from forklift.model.quantize import (
+    NO_QUANTIZATION,
+    QuantizationPlan,
+    QuantizationReport,
+    quantize_model,
+    requantize,
+)
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.weight_update import WeightUpdater
 from forklift.runner.attention_metadata import build_attention_metadata
@@ -40,6 +47,9 @@ class StepInputs:
     meta: AttentionMetadata
     # Flat index of the last token of each sequence that samples this step.
     sample_index: torch.Tensor
+    # Blocks this step reads for the first time since the cache was allocated: zeroed first,
+    # since attention reads whole blocks and never-written memory may hold NaNs.
+    fresh_blocks: torch.Tensor
 
 
 @dataclass
@@ -63,6 +73,7 @@ class ModelRunner:
         enforce_eager: bool = True,
         capture_sizes: tuple[int, ...] = (),
         tp: TensorParallelGroup | None = None,
+        quantization: QuantizationPlan = NO_QUANTIZATION,
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
@@ -74,6 +85,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.weights = weights
+        self.quantization = quantization
+        self.quantization_report = QuantizationReport(quantization.method)
         self.tp = tp
         self.shard = (
             None if tp is None else TensorParallelShard.plan(model_config, tp.rank, tp.world_size)
@@ -82,6 +95,7 @@ class ModelRunner:
         self._weight_updater = WeightUpdater(self.model)
         self.kv_caches: list[KVCache] = []
         self._kv_cache_tensor: torch.Tensor | None = None
+        self._unwritten_blocks = np.zeros(0, dtype=bool)
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
             backend = backend_for(device)
@@ -131,6 +145,7 @@ class ModelRunner:
             self.shard,
         )  # fmt: skip
         model.set_tensor_parallel_group(self.tp)
+        self.quantization_report = quantize_model(model, self.quantization)
         return model
 
     def _tell_workers(self, method: str, *args: object) -> None:
@@ -168,11 +183,15 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # Methods that other ranks mirror call only these unannounced helpers inside.
         cfg = self.model.config  # this rank's KV heads
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
+        # that decode attention multiplies in place (layers/attention.py).
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         # torch.empty leaves pages untouched until a block is first written; only the null
         # block, which pads every gather, must hold zeros.
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        cache[:, :, 0].zero_()
+        cache[:, :, :, 0].zero_()
+        self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
+        self._unwritten_blocks[0] = False
         self._kv_cache_tensor = cache
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         self._reset_captures()  # captures hold the old cache's addresses
@@ -189,6 +208,7 @@ class ModelRunner:
     def _free_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_cache_tensor = None
+        self._unwritten_blocks = np.zeros(0, dtype=bool)
         self._reset_captures()
 
     def _reset_captures(self) -> None:
@@ -221,8 +241,11 @@ class ModelRunner:
 
     def commit_weights(self) -> int:
         self._tell_workers("commit_weights")
+        changed = self._weight_updater.staged_params
         applied = self._weight_updater.commit()
-        self.model.pack_weights()  # the packed copies derive from the weights
+        # The packed and quantized copies derive from the weights.
+        self.model.pack_weights()
+        requantize(self.model, changed)
         return applied
 
     @property
@@ -253,6 +276,8 @@ class ModelRunner:
         """The model on one step's inputs; logits of the sampling rows (None if none)."""
         self._tell_workers("forward_step", inputs, key)
         with torch.inference_mode():
+            if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
+                self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -317,7 +342,17 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),
+            fresh_blocks=torch.from_numpy(self._take_unwritten(table)).to(self.device),
         )
+
+    def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
+        """The blocks of `table` never used since the cache was allocated, now marked used."""
+        if not self._unwritten_blocks.size:
+            return np.zeros(0, dtype=np.int64)
+        blocks = np.unique(table)
+        fresh = blocks[self._unwritten_blocks[blocks]]
+        self._unwritten_blocks[fresh] = False
+        return fresh
 
 
 def build_model(

@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from forklift.config import EngineConfig
 from forklift.model.model_config import ModelConfig
-from forklift.model.model_source import iter_model_weights, load_model_config, resolve_model
+from forklift.model.model_source import (
+    iter_model_weights,
+    load_model_config,
+    quantization_plan,
+    resolve_model,
+)
 from forklift.model.tensor_parallel import check_tensor_parallel_size
 from forklift.runner.tp_group import TensorParallelGroup, connect_store, create_store
 
@@ -39,6 +44,7 @@ class RankSpec:
     sliding_window: int | None
     num_threads: int | None
     allow_cross_node: bool
+    quantization: str = "none"  # the method rank 0 resolved
 
 
 @dataclass
@@ -109,6 +115,7 @@ def serve_rank(rank: int, world: int, port: int, spec: RankSpec) -> None:
         block_size=spec.block_size,
         sliding_window=spec.sliding_window,
         tp=group,
+        quantization=quantization_plan(source, model_config, spec.quantization),
     )
     while True:
         method, args = group.broadcast_object()
