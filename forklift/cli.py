@@ -12,7 +12,7 @@ from typing import Any
 
 from forklift.bench.cli import add_bench_parser
 from forklift.bench.kv_calc import add_kv_calc_parser
-from forklift.config import EngineConfig
+from forklift.config import QUANTIZATION_METHODS, EngineConfig
 from forklift.rl.cli import add_rl_parser
 from forklift.sampling_params import SamplingParams
 
@@ -22,6 +22,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, help="HF model dir or GGUF file (default model)")
     group.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_METHODS,
+        help="weight-only quantization (default auto: a GGUF file at its own precision on a CPU)",
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -47,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -21,29 +21,40 @@ def test_linear_weights_count_every_projection_and_the_head(default_llm_fp32):
 def test_quick_decode_report(tmp_path):
     assert main(["bench", "decode", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
-    assert (tmp_path / "decode.md").read_text().startswith("# Decode step time")
+    markdown = (tmp_path / "decode.md").read_text()
+    assert markdown.startswith("# Decode step time by weight form")
     assert (tmp_path / "decode.png").stat().st_size > 0
+    assert report["cpu_flags"] and all(
+        f.startswith(("avx", "amx", "fma")) for f in report["cpu_flags"]
+    )
     points = report["points"]
     batches = list(report["settings"]["batch_sizes"])
-    for mode in ("eager", "captured"):
-        assert [p["batch_size"] for p in points if p["mode"] == mode] == batches
-    step = {(p["mode"], p["batch_size"]): p["step_ms_median"] for p in points}
-    assert report["speedup"] == {
-        str(b): pytest.approx(step["eager", b] / step["captured", b]) for b in batches
+    for form in ("bf16", "int4"):
+        assert [p["batch_size"] for p in points if p["form"] == form] == batches
+    step = {(p["form"], p["batch_size"]): p["step_ms_median"] for p in points}
+    assert report["batch_cost"]["int4"] == {
+        str(b): pytest.approx(step["int4", b] / step["int4", 1]) for b in batches
     }
-    assert "eager step time / captured step time" in (tmp_path / "decode.md").read_text()
-    peak = report["gemm_peak_flops_per_s"]
-    assert peak > 0
+    bandwidth = report["read_bandwidth_bytes_per_s"]
+    assert bandwidth > 0
+    weights = {(p["form"], p["batch_size"]): p["weight_bytes"] for p in points}
+    # int4 decode reads well under half the bytes of the bf16 weights.
+    assert weights["int4", 1] < 0.5 * weights["bf16", 1]
     for p in points:
         step_s = p["step_ms_median"] / 1000
         assert p["step_ms_min"] <= p["step_ms_median"]
         assert p["tokens_per_s"] == pytest.approx(p["batch_size"] / step_s)
-        flops = 2 * report["linear_weights"] * p["batch_size"] / step_s
-        assert p["matrix_flops_per_s"] == pytest.approx(flops)
-        assert p["fraction_of_peak"] == pytest.approx(flops / peak)
-    # A bigger batch gets more tokens out of each step.
-    eager = [p for p in points if p["mode"] == "eager"]
-    assert eager[-1]["tokens_per_s"] > eager[0]["tokens_per_s"]
+        assert p["fraction_of_bandwidth"] == pytest.approx(
+            (p["weight_bytes"] + p["kv_bytes"]) / step_s / bandwidth
+        )
+    # KV bytes grow with the batch: every sequence reads its own context.
+    kv = [p["kv_bytes"] for p in points if p["form"] == "int4"]
+    assert kv[-1] == kv[0] * batches[-1]
+
+
+def test_unknown_weight_form_is_a_clear_error(capsys):
+    assert main(["bench", "decode", "--forms", "int3"]) == 2
+    assert "unknown weight form(s) int3" in capsys.readouterr().err
 
 
 def test_bad_lists_on_the_command_line_are_clear_errors(capsys):

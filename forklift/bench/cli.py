@@ -207,10 +207,18 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
 
 
 def _add_decode(bench_sub: argparse._SubParsersAction) -> None:
-    parser = bench_sub.add_parser("decode", help="decode step time by batch size vs GEMM peak")
+    parser = bench_sub.add_parser(
+        "decode", help="decode step time by weight form and batch size vs read bandwidth"
+    )
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--forms", default=None, help="comma-separated: fp32, bf16, int8, int4, int4-captured"
+    )
     parser.add_argument("--batch-sizes", default=None, help="comma-separated")
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens per request")
+    parser.add_argument(
+        "--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it side by side"
+    )
     parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
     parser.add_argument("--out-dir", default="benchmarks")
     parser.set_defaults(func=_cmd_decode)
@@ -224,14 +232,20 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         write_report,
     )
 
-    overrides: dict[str, Any] = {"model": args.model, "dtype": args.dtype}
+    overrides: dict[str, Any] = {"model": args.model, "llama_bench": args.llama_bench}
+    if args.forms is not None:
+        overrides["forms"] = tuple(args.forms.split(","))
     if args.batch_sizes is not None:
         overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
+    if args.context is not None:
+        overrides["context"] = positive_ints(str(args.context), "--context")[0]
     report = run_decode_bench((DecodeSettings.quick if args.quick else DecodeSettings)(**overrides))
     command = ["forklift", "bench", "decode"] + (["--quick"] if args.quick else [])
     command += ["--model", args.model] if args.model else []
-    command += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    command += ["--forms", args.forms] if args.forms else []
     command += ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
+    command += ["--context", str(args.context)] if args.context else []
+    command += ["--llama-bench", "llama-bench"] if args.llama_bench else []
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0

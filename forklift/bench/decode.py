@@ -1,17 +1,20 @@
-"""`forklift bench decode`: the time of a pure decode step by batch size, against the machine's
-matrix peak measured in the same run.
+"""`forklift bench decode`: a pure decode step by weight form and batch size, against the
+machine's read bandwidth measured in the same run (and llama.cpp's `llama-bench` on the same
+file, when given one).
 
-For each batch size the engine gets that many short requests, runs their prefill, then times
-steps in which every request decodes exactly one token. The matrix work of such a step is
-2 x (linear-layer weights) x batch FLOPs; dividing by the step time and by the FLOP/s of a
-large square matmul in the same dtype gives the fraction of peak the step reaches.
+For each weight form (dense fp32, dense bf16, int8, int4) and batch size, the engine gets that
+many requests of `context` prompt tokens, runs their prefill, then times steps in which every
+request decodes exactly one token. At small batch such a step reads every weight once and
+every sequence's KV cache once, so its floor is those bytes over the read bandwidth.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import random
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,26 +24,52 @@ import torch
 
 from forklift.bench.report import write_report_files
 from forklift.llm import LLM
+from forklift.model.layers.linear import Linear
+from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
 from forklift.model.model_config import ModelConfig
 from forklift.sampling_params import SamplingParams
 
-# enforce_eager=True, then enforce_eager=False (CUDA graphs on a GPU, compiled regions on a CPU).
-MODES = ("eager", "captured")
+
+@dataclass(frozen=True)
+class WeightForm:
+    """One row group of the report: how the engine holds and runs its weights."""
+
+    name: str
+    dtype: str
+    quantization: str
+    enforce_eager: bool = True
+
+
+WEIGHT_FORMS = {
+    "fp32": WeightForm("fp32", "float32", "none"),
+    "bf16": WeightForm("bf16", "bfloat16", "none"),
+    "int8": WeightForm("int8", "bfloat16", "int8"),
+    "int4": WeightForm("int4", "bfloat16", "auto"),  # a Q4 GGUF at its own precision
+    "int4-captured": WeightForm("int4-captured", "bfloat16", "auto", enforce_eager=False),
+}
 
 
 @dataclass
 class DecodeSettings:
     model: str | None = None
-    dtype: str = "auto"
-    batch_sizes: tuple[int, ...] = (1, 8, 32, 128, 256)
-    prompt_tokens: int = 16
-    timed_steps: int = 6
-    gemm_size: int = 2048
+    forms: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    context: int = 564
+    timed_steps: int = 8
+    llama_bench: str | None = None  # path to llama.cpp's llama-bench binary
 
     @classmethod
     def quick(cls, **overrides: Any) -> DecodeSettings:
-        return cls(**{"batch_sizes": (1, 8), "timed_steps": 3, "gemm_size": 1024,
-                      **overrides})  # fmt: skip
+        return cls(**{"forms": ("bf16", "int4"), "batch_sizes": (1, 4), "context": 64,
+                      "timed_steps": 3, **overrides})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.forms if f not in WEIGHT_FORMS]
+        if unknown:
+            raise ValueError(
+                f"unknown weight form(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(WEIGHT_FORMS)}"
+            )
 
 
 def linear_weights(config: ModelConfig) -> int:
@@ -52,37 +81,72 @@ def linear_weights(config: ModelConfig) -> int:
     return config.num_layers * per_layer + config.vocab_size * hidden
 
 
-def gemm_peak_flops(size: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    times = []
+def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second a sum over a tensor far larger than the caches reads."""
+    data = torch.ones(size_bytes // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / min(times)
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
+def weight_bytes_per_step(llm: LLM, batch: int) -> int:
+    """Bytes of the weight copies a decode step of `batch` rows reads (quantized copies where
+    the step is small enough to use them, else the dense or packed ones)."""
+    model = llm.llm_engine.runner.model
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        if module.quantized is not None and batch <= QUANTIZED_MAX_ROWS:
+            total += module.quantized.nbytes
+        else:
+            total += _dense_bytes(module.packed_weight if module.packed_weight is not None
+                                  else module.weight)  # fmt: skip
+    if model.lm_head is None:
+        if model.quantized_head is not None and batch <= QUANTIZED_MAX_ROWS:
+            total += model.quantized_head.nbytes
+        else:
+            total += _dense_bytes(model.embed_tokens.weight)
+    return total
+
+
+def kv_bytes_per_step(llm: LLM, batch: int, context: int) -> int:
+    """Bytes of K and V a decode step reads: whole blocks of every sequence, every layer."""
+    engine = llm.llm_engine
+    config = engine.model_config
+    block = engine.config.block_size
+    positions = -(-context // block) * block
+    per_token = 2 * config.num_layers * config.kv_size * engine.dtype.itemsize
+    return batch * positions * per_token
+
+
+def _dense_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 @dataclass
 class DecodePoint:
+    form: str
     batch_size: int
-    mode: str
     step_ms_median: float
     step_ms_min: float
     tokens_per_s: float
-    matrix_flops_per_s: float
-    fraction_of_peak: float
+    weight_bytes: int
+    kv_bytes: int
+    fraction_of_bandwidth: float
 
 
 def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> list[float]:
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    budget = settings.timed_steps + 4
-    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=settings.timed_steps + 4, ignore_eos=True)
     for _ in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(settings.prompt_tokens)]
+        prompt = [rng.randrange(vocab) for _ in range(settings.context)]
         engine.add_request(None, prompt, params)
     first = engine.step_log[-1].index if engine.step_log else 0
     while engine.has_unfinished_requests():
@@ -99,103 +163,147 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     return decode[1 : 1 + settings.timed_steps]
 
 
-def _measure_mode(settings: DecodeSettings, mode: str) -> tuple[LLM, list[list[float]]]:
+def _measure_form(
+    settings: DecodeSettings, form: WeightForm, bandwidth: float
+) -> tuple[list[DecodePoint], LLM]:
     longest = max(settings.batch_sizes)
     llm = LLM(
         model=settings.model,
-        dtype=settings.dtype,
-        max_model_len=settings.prompt_tokens + settings.timed_steps + 8,
+        dtype=form.dtype,
+        quantization=form.quantization,
+        max_model_len=settings.context + settings.timed_steps + 8,
         max_num_seqs=longest,
         max_num_batched_tokens=max(2048, longest),
-        enforce_eager=mode == "eager",
+        enforce_eager=form.enforce_eager,
         decode_capture_sizes=settings.batch_sizes,
     )
     _time_decode(llm, 1, settings, seed=0)  # warm-up
-    return llm, [_time_decode(llm, b, settings, seed=b) for b in settings.batch_sizes]
+    points = []
+    for batch in settings.batch_sizes:
+        times = _time_decode(llm, batch, settings, seed=batch)
+        median = statistics.median(times)
+        weights = weight_bytes_per_step(llm, batch)
+        kv = kv_bytes_per_step(llm, batch, settings.context)
+        points.append(
+            DecodePoint(
+                form.name,
+                batch,
+                1000 * median,
+                1000 * min(times),
+                batch / median,
+                weights,
+                kv,
+                (weights + kv) / median / bandwidth,
+            )  # fmt: skip
+        )
+    return points, llm
+
+
+def run_llama_bench(binary: str, model: Path, context: int, threads: int) -> dict[str, Any]:
+    """llama.cpp's single-stream decode at depth `context` on the same file (flash attention
+    off: on these CPUs it halves decode at depth)."""
+    command = [binary, "-m", str(model), "-t", str(threads), "-p", "0", "-n", "128",
+               "-d", str(context), "-fa", "0", "-o", "json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900)
+    rows = json.loads(done.stdout)
+    return {"command": " ".join(command[1:]), "tokens_per_s": float(rows[0]["avg_ts"]),
+            "stddev": float(rows[0].get("stddev_ts", 0.0))}  # fmt: skip
 
 
 def run_decode_bench(settings: DecodeSettings) -> dict[str, Any]:
-    points = []
+    bandwidth = read_bandwidth()
+    points: list[DecodePoint] = []
     engine = None
-    for mode in MODES:
-        llm, timings = _measure_mode(settings, mode)
+    for name in settings.forms:
+        form_points, llm = _measure_form(settings, WEIGHT_FORMS[name], bandwidth)
+        points += form_points
         engine = llm.llm_engine
-        if mode == MODES[0]:
-            peak = gemm_peak_flops(settings.gemm_size, engine.dtype)
-            weights = linear_weights(engine.model_config)
-        for batch, times in zip(settings.batch_sizes, timings, strict=True):
-            median = statistics.median(times)
-            flops = 2 * weights * batch / median
-            points.append(
-                DecodePoint(
-                    batch,
-                    mode,
-                    1000 * median,
-                    1000 * min(times),
-                    batch / median,
-                    flops,
-                    flops / peak,
-                )  # fmt: skip
-            )
         del llm
         gc.collect()
     assert engine is not None
-    return {
+    report: dict[str, Any] = {
         "benchmark": "decode",
         "model": str(engine.model_source.path.name),
-        "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "device": engine.device.type,
-        "capture_backend": "cuda-graph" if engine.device.type == "cuda" else "torch-compile",
+        "cpu_flags": cpu_flags(),
         "settings": asdict(settings),
-        "linear_weights": weights,
-        "gemm_peak_flops_per_s": peak,
+        "linear_weights": linear_weights(engine.model_config),
+        "read_bandwidth_bytes_per_s": bandwidth,
         "points": [asdict(p) for p in points],
-        "speedup": captured_speedup(points),
+        "batch_cost": batch_cost(points),
     }
+    if settings.llama_bench:
+        peer = run_llama_bench(
+            settings.llama_bench, engine.model_source.path, settings.context, report["threads"]
+        )
+        best = max((p for p in points if p.batch_size == 1), key=lambda p: p.tokens_per_s)
+        peer["forklift_form"] = best.form
+        peer["ratio"] = best.tokens_per_s / peer["tokens_per_s"]
+        report["llama_bench"] = peer
+    return report
 
 
-def captured_speedup(points: list[DecodePoint]) -> dict[int, float]:
-    """Eager step time / captured step time, by batch size."""
-    eager = {p.batch_size: p.step_ms_median for p in points if p.mode == "eager"}
-    return {
-        p.batch_size: eager[p.batch_size] / p.step_ms_median
-        for p in points
-        if p.mode == "captured" and p.batch_size in eager
-    }
+def batch_cost(points: list[DecodePoint]) -> dict[str, dict[int, float]]:
+    """Step time at each batch size over the batch-1 step time, per weight form."""
+    cost: dict[str, dict[int, float]] = {}
+    for form in dict.fromkeys(p.form for p in points):
+        steps = {p.batch_size: p.step_ms_median for p in points if p.form == form}
+        if 1 in steps:
+            cost[form] = {b: t / steps[1] for b, t in steps.items()}
+    return cost
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's matrix-relevant instruction-set flags (benchmarks record them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return []
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [
-        "# Decode step time by batch size",
+        "# Decode step time by weight form and batch size",
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Model {report['model']}, dtype {report['dtype']}, {report['threads']} threads. "
-        f"Each batch size: that many requests of {s['prompt_tokens']} prompt tokens; the "
-        f"median of {s['timed_steps']} steps in which every request decodes one token. "
-        f"Matrix work per step: 2 x {report['linear_weights'] / 1e6:.1f} M linear weights x "
-        f"batch. Peak: a {s['gemm_size']}x{s['gemm_size']} matmul in the same dtype, same run: "
-        f"**{report['gemm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s**.",
+        f"Model {report['model']}, {report['threads']} threads, CPU flags: "
+        f"{' '.join(report['cpu_flags']) or 'n/a'}. Each batch size: that many requests of "
+        f"{s['context']} prompt tokens; the median of {s['timed_steps']} steps in which every "
+        f"request decodes one token. Bytes per step: the weight copies the step reads plus "
+        f"every sequence's K and V; read bandwidth (a sum over 1 GiB, same run): "
+        f"**{report['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s**.",
         "",
-        "| batch | mode | step (ms) | min (ms) | tokens/s | matrix GFLOP/s | of peak |",
-        "|---|---|---|---|---|---|---|",
+        "| form | batch | step (ms) | min (ms) | tokens/s | weights MB | KV MB | of bandwidth |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for p in sorted(report["points"], key=lambda p: (p["batch_size"], p["mode"] != "eager")):
+    for p in report["points"]:
         lines.append(
-            f"| {p['batch_size']} | {p['mode']} | {p['step_ms_median']:.1f} | "
-            f"{p['step_ms_min']:.1f} | {p['tokens_per_s']:.1f} | "
-            f"{p['matrix_flops_per_s'] / 1e9:.1f} | {100 * p['fraction_of_peak']:.1f}% |"
+            f"| {p['form']} | {p['batch_size']} | {p['step_ms_median']:.1f} | "
+            f"{p['step_ms_min']:.1f} | {p['tokens_per_s']:.1f} | {p['weight_bytes'] / 1e6:.0f} | "
+            f"{p['kv_bytes'] / 1e6:.1f} | {100 * p['fraction_of_bandwidth']:.0f}% |"
         )
-    lines += [
-        "",
-        f"Captured mode ({report['capture_backend']} on {report['device']}): eager step time / "
-        "captured step time by batch size: "
-        + ", ".join(f"{b}: **{x:.2f}x**" for b, x in report["speedup"].items())
-        + ".",
-        "",
-    ]
+    lines += ["", "Step time over the batch-1 step time:", ""]
+    for form, costs in report["batch_cost"].items():
+        lines.append(
+            f"- {form}: " + ", ".join(f"batch {b}: **{c:.2f}x**" for b, c in costs.items())
+        )
+    peer = report.get("llama_bench")
+    if peer:
+        lines += [
+            "",
+            f"llama.cpp, same file, same run: `llama-bench {peer['command']}`: "
+            f"**{peer['tokens_per_s']:.1f} tok/s** (± {peer['stddev']:.1f}). forklift "
+            f"{peer['forklift_form']} at batch 1: **{peer['ratio']:.2f}x** llama-bench.",
+        ]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -210,20 +318,22 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, color in zip(MODES, ("#2a7ab0", "#d95f02"), strict=True):
-        points = [p for p in report["points"] if p["mode"] == mode]
+    forms = list(dict.fromkeys(p["form"] for p in report["points"]))
+    for form in forms:
+        points = [p for p in report["points"] if p["form"] == form]
         batches = [p["batch_size"] for p in points]
-        steps = [p["step_ms_median"] for p in points]
-        left.plot(batches, steps, "o-", color=color, label=mode)
-        right.plot(batches, [100 * p["fraction_of_peak"] for p in points], "o-", color=color)
-    left.set_ylabel("decode step (ms)")
-    left.set_title("Step time")
+        left.plot(batches, [p["tokens_per_s"] for p in points], "o-", label=form)
+        right.plot(batches, [100 * p["fraction_of_bandwidth"] for p in points], "o-", label=form)
+    peer = report.get("llama_bench")
+    if peer:
+        left.axhline(peer["tokens_per_s"], color="grey", linestyle="--", label="llama-bench")
+    left.set_ylabel("decoded tokens/s")
+    left.set_title(f"Decode at context {report['settings']['context']}")
     left.legend()
-    right.set_ylabel("% of measured GEMM peak")
-    right.set_title("Matrix efficiency")
+    right.set_ylabel("% of measured read bandwidth")
+    right.set_title("Bytes per step / step time")
     for axis in (left, right):
         axis.set_xscale("log", base=2)
-        axis.set_xticks(batches, [str(b) for b in batches])
         axis.set_xlabel("batch size")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -1,0 +1,291 @@
+"""Weight-only quantization: exact GGUF block mapping, RTN, the kernels, and the engine paths."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf_factory import write_gguf
+from tiny_models import make_tiny_model
+
+from forklift import LLM, SamplingParams
+from forklift.config import EngineConfig
+from forklift.model.gguf_loader import iter_gguf_int4_groups, iter_gguf_weights, open_gguf
+from forklift.model.layers.linear import Linear
+from forklift.model.layers.quantized import (
+    QUANTIZED_MAX_ROWS,
+    PackedInt4,
+    PackedInt8,
+    int4_groups_from_dense,
+    int4_kernel_available,
+)
+from forklift.model.model_source import load_model_config, resolve_model
+from forklift.model.quantize import resolve_quantization
+from forklift.runner.attention_metadata import build_attention_metadata
+
+pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no ATen int4 CPU kernel")
+
+
+def _tiny_gguf(tmp_path, qtype: str, arch: str = "llama"):
+    tiny = make_tiny_model(arch, tmp_path / "hf")
+    path = write_gguf(
+        tmp_path / f"m-{qtype}.gguf", tiny.hf_model, tiny.hf_model.state_dict(), qtype
+    )
+    return tiny, path
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_gguf_int4_blocks_map_exactly_onto_the_kernel_form(tmp_path, qtype):
+    """(q - 8) * scale + zero reproduces gguf's own dequantization bit for bit, rotary
+    permutation undone, for every Q4 tensor of the file."""
+    _, path = _tiny_gguf(tmp_path, qtype)
+    reader = open_gguf(path)
+    config = load_model_config(resolve_model(str(path)))
+    dense = dict(iter_gguf_weights(reader, config))
+    groups = dict(iter_gguf_int4_groups(reader, config))
+    assert groups and set(groups) <= set(dense)
+    assert "model.layers.0.self_attn.q_proj.weight" in groups  # a permuted one
+    for name, g in groups.items():
+        assert torch.equal(g.dequantize(), dense[name]), name
+
+
+def test_int4_kernel_matches_the_dequantized_matmul():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128)
+    groups = int4_groups_from_dense(weight)
+    packed = PackedInt4.pack(groups)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    want = x.float() @ groups.dequantize().T
+    got = packed.matmul(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_round_to_nearest_int4_error_is_at_most_half_a_step():
+    torch.manual_seed(1)
+    weight = torch.randn(64, 96)
+    groups = int4_groups_from_dense(weight)
+    step = groups.scales.repeat_interleave(32, dim=1)
+    assert ((groups.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    assert int(groups.codes.min()) == 0 and int(groups.codes.max()) == 15
+
+
+def test_int8_rows_match_the_dense_matmul():
+    torch.manual_seed(2)
+    weight = torch.randn(80, 64)
+    int8 = PackedInt8.quantize(weight)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = x.float() @ weight.T
+    got = int8.matmul(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_linear_uses_the_quantized_copy_only_for_few_rows():
+    torch.manual_seed(3)
+    layer = Linear(64, 32, bias=True).to(torch.bfloat16)
+    layer.quantized = PackedInt4.pack(int4_groups_from_dense(torch.zeros(32, 64)))
+    with torch.inference_mode():
+        few = layer(torch.randn(QUANTIZED_MAX_ROWS, 64, dtype=torch.bfloat16))
+        many = layer(torch.randn(QUANTIZED_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
+    # The quantized copy holds zeros, so only the bias comes out of it.
+    assert torch.equal(few, layer.bias.expand_as(few))
+    assert not torch.equal(many, layer.bias.expand_as(many))
+
+
+@pytest.mark.parametrize(
+    "asked, dtype, fmt, want",
+    [
+        ("auto", "auto", "gguf", "gguf"),
+        ("auto", "bfloat16", "gguf", "gguf"),
+        ("auto", "float32", "gguf", "none"),  # never lower an asked-for precision
+        ("auto", "float16", "gguf", "none"),
+        ("auto", "auto", "hf", "none"),
+        ("none", "auto", "gguf", "none"),
+        ("int4", "float32", "hf", "int4"),
+        ("int8", "auto", "gguf", "int8"),
+    ],
+)
+def test_resolve_quantization(asked, dtype, fmt, want):
+    assert resolve_quantization(asked, dtype, fmt, torch.device("cpu")) == want
+
+
+def test_bad_quantization_names_the_field():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_quantization("int4", "auto", "hf", torch.device("cuda"))
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(
+        model=str(path),
+        max_model_len=256,
+        block_size=4,
+        kv_cache_memory_bytes=2**20,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        **kwargs,
+    )
+
+
+def _quantized_linears(llm: LLM) -> list[Linear]:
+    model = llm.llm_engine.runner.model
+    return [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+
+
+def test_gguf_auto_serves_q4_blocks_and_logs_them(tmp_path, caplog):
+    _, path = _tiny_gguf(tmp_path, "Q4_1")
+    with caplog.at_level(logging.INFO, logger="forklift"):
+        llm = _llm(path, dtype="bfloat16")
+    assert llm.llm_engine.quantization == "gguf"
+    linears = _quantized_linears(llm)
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
+    assert all(isinstance(m.quantized, PackedInt4) for m in linears)
+    assert "int4 from gguf blocks" in caplog.text
+    dense = _llm(path, dtype="float32")
+    assert dense.llm_engine.quantization == "none" and not _quantized_linears(dense)
+
+
+def _greedy(llm: LLM, prompts, tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _close(a, b) -> bool:
+    """vLLM's check_logprobs_close: at each position until the first difference the tokens
+    agree; at the first difference each token is in the other's top logprobs."""
+    for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+        if ta != tb:
+            return ta in b.logprobs[step] and tb in a.logprobs[step]
+    return True
+
+
+def test_quantized_decode_matches_dense_on_the_same_file(tmp_path):
+    """Same Q4_1 file, int4 decode vs dense bf16 decode; the prefill runs dense in both."""
+    _, path = _tiny_gguf(tmp_path, "Q4_1")
+    prompts = [[5 + i, 17, 3 * i + 1, 40] for i in range(6)]
+    quantized = _greedy(_llm(path, dtype="bfloat16"), prompts, 24)
+    dense = _greedy(_llm(path, dtype="bfloat16", quantization="none"), prompts, 24)
+    for q, d in zip(quantized, dense, strict=True):
+        assert _close(q.outputs[0], d.outputs[0])
+
+
+def test_int4_rtn_on_an_hf_directory_and_update_weights_requantizes(tmp_path):
+    tiny = make_tiny_model("llama", tmp_path)
+    llm = _llm(tmp_path, dtype="float32", quantization="int4")
+    model = llm.llm_engine.runner.model
+    linears = _quantized_linears(llm)
+    # Every projection as int4; the untied fp32 head as int8 rows (4 bits cost it most).
+    assert len(linears) == 9 and isinstance(model.lm_head.quantized, PackedInt8)
+    assert sum(isinstance(m.quantized, PackedInt4) for m in linears) == 8
+    target = "model.layers.0.mlp.down_proj.weight"
+    layer = llm.llm_engine.runner.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
+    before = layer.quantized.matmul(x).float()
+    new = -2 * tiny.hf_model.state_dict()[target]
+    llm.update_weights([(target, new)])
+    after = layer.quantized.matmul(x).float()
+    want = x.float() @ new.T
+    assert ((after - want).norm() / want.norm()).item() < 0.1
+    assert not torch.allclose(before, after)
+    # Untouched layers keep their quantized copy object.
+    untouched = llm.llm_engine.runner.model.layers[1].mlp.down_proj
+    assert untouched.quantized is not None
+
+
+def test_quantized_engine_survives_sleep_and_wake(tmp_path):
+    _, path = _tiny_gguf(tmp_path, "Q4_0")
+    llm = _llm(path, dtype="bfloat16")
+    prompts = [[7, 8, 9, 10]]
+    first = _greedy(llm, prompts, 8)[0].outputs[0].token_ids
+    llm.sleep(level=2)
+    assert not _quantized_linears(llm)
+    llm.wake_up()
+    assert len(_quantized_linears(llm)) == 8
+    assert _greedy(llm, prompts, 8)[0].outputs[0].token_ids == first
+
+
+def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
+    """8 chat prompts x 64 greedy tokens: quantized (Q4_1 as int4) against the same file
+    dense in bf16, with vLLM's check_logprobs_close criterion."""
+    common = dict(
+        model=str(default_source.path),
+        dtype="bfloat16",
+        max_model_len=256,
+        kv_cache_memory_bytes=32 * 2**20,
+    )
+    questions = [
+        "What is the capital of France?",
+        "Name three primes.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+        "Who wrote Hamlet?",
+        "Explain gravity in one sentence.",
+        "List two colours.",
+        "What does a forklift do?",
+    ]
+    quantized = LLM(**common)
+    dense = LLM(**common, quantization="none")
+    assert quantized.llm_engine.quantization == "gguf"
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    got = quantized.chat(convs, params, use_tqdm=False)
+    want = dense.chat(convs, params, use_tqdm=False)
+    close = [_close(g.outputs[0], w.outputs[0]) for g, w in zip(got, want, strict=True)]
+    assert all(close), close
+
+
+def _teacher_forced_logprobs(llm: LLM, ids: list[int], chunk: int) -> list[float]:
+    """Log p(ids[i + 1] | ids[: i + 1]) from the engine's model, `chunk` tokens per forward
+    (at most QUANTIZED_MAX_ROWS: the decode-sized path)."""
+    runner = llm.llm_engine.runner
+    runner._kv_cache_tensor.zero_()
+    block = runner.block_size
+    table = np.arange(1, len(ids) // block + 2, dtype=np.int64)[None, :]
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start : min(start + chunk, len(ids) - 1)]
+            meta, positions = build_attention_metadata(
+                np.array([start]), np.array([len(piece)]), table, block, None, runner.device
+            )
+            hidden = runner.model(
+                torch.tensor(piece), torch.from_numpy(positions), runner.kv_caches, meta
+            )
+            logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
+            targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
+            out += logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    return out
+
+
+def test_int4_perplexity_within_two_percent_of_dense(default_source):
+    """Teacher-forced perplexity of a fixed text through the decode-sized path (the int4
+    kernel computes every logit), quantized vs dense, same file."""
+    text = (
+        "The quick brown fox jumps over the lazy dog. A forklift lifts pallets in a "
+        "warehouse, moving heavy loads from the trucks to the shelves and back again. "
+        "Paris is the capital of France, and Berlin is the capital of Germany."
+    )
+    ppl = {}
+    for method in ("auto", "none"):
+        llm = LLM(
+            model=str(default_source.path),
+            dtype="bfloat16",
+            quantization=method,
+            max_model_len=256,
+            kv_cache_memory_bytes=16 * 2**20,
+        )
+        assert bool(_quantized_linears(llm)) == (method == "auto")
+        ids = llm.get_tokenizer().encode(text)
+        logprobs = _teacher_forced_logprobs(llm, ids, QUANTIZED_MAX_ROWS)
+        assert len(logprobs) == len(ids) - 1
+        ppl[method] = float(np.exp(-np.mean(logprobs)))
+    assert abs(ppl["auto"] / ppl["none"] - 1) < 0.02, ppl
+
+
+def test_gguf_q8_0_linears_serve_as_int8(tmp_path):
+    _, path = _tiny_gguf(tmp_path, "Q8_0")
+    llm = _llm(path, dtype="bfloat16")
+    linears = _quantized_linears(llm)
+    assert len(linears) == 8 and all(isinstance(m.quantized, PackedInt8) for m in linears)
