@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             enable_trainer_routes=args.enable_trainer_routes,
+            limits=server_limits_from_args(args),
         )
     return serve(
         engine_config_from_args(args),

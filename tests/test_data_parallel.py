@@ -201,3 +201,26 @@ def test_front_end_checks_the_api_key_and_says_when_no_replica_is_up():
         busy = client.post("/v1/completions", json=body, headers=auth)
         assert busy.status_code == 503 and "no replica" in busy.json()["error"]["message"]
         assert client.get("/health").status_code == 503
+
+
+def test_front_end_bounds_request_bodies_before_proxying():
+    from fastapi.testclient import TestClient
+
+    from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
+    from forklift.server.limits import ServerLimits
+
+    async def nothing() -> None:
+        return None
+
+    limits = ServerLimits(max_body_bytes=1000, max_weights_body_bytes=2000)
+    frontend = Frontend([], Router(0), FrontendSettings(limits=limits))
+    with TestClient(build_frontend_app(frontend, nothing)) as client:
+        big = client.post("/v1/completions", content=b"x" * 1500)
+        assert big.status_code == 413
+        assert set(big.json()["error"]) == {"message", "type", "param", "code"}
+        assert "1000 bytes" in big.json()["error"]["message"]
+        chunked = client.post("/v1/completions", content=iter([b"x" * 600, b"x" * 600]))
+        assert chunked.status_code == 413 and "error" in chunked.json()
+        # /v1/weights has its own limit; under it the request goes on (no replica here).
+        assert client.post("/v1/weights", content=b"x" * 1500).status_code == 503
+        assert client.post("/v1/weights", content=b"x" * 2500).status_code == 413

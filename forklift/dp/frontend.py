@@ -11,6 +11,7 @@ restarted them. Trainer routes (weights, pause, sleep...) go to every replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,11 +21,14 @@ from typing import Any, Protocol
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forklift.dp.router import Router, estimated_tokens, prompt_text
 from forklift.server.admin import ADMIN_PATHS
 from forklift.server.app import install_api_key_check
+from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.errors import error_response
+from forklift.server.limits import ServerLimits
 
 logger = logging.getLogger("forklift")
 
@@ -47,6 +51,8 @@ class FrontendSettings:
     api_key: str | None = None
     health_interval_s: float = 1.0
     request_timeout_s: float = 3600.0
+    # The same body limits as a single server: the front end reads each body before proxying.
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
 
 class _ReplicaFailed(Exception):
@@ -306,6 +312,12 @@ def build_frontend_app(frontend: Frontend, startup: Callable[[], Awaitable[None]
         await frontend.close()
 
     app = FastAPI(title="forklift data-parallel front end", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, limit_for=frontend.settings.limits.body_limit)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
     if frontend.settings.api_key is not None:
         install_api_key_check(app, frontend.settings.api_key)
 

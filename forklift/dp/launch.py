@@ -20,6 +20,7 @@ from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
 from forklift.dp.router import Router
 from forklift.server.announce import AnnouncingServer, ready_line
 from forklift.server.exposure import check_trainer_routes_exposure
+from forklift.server.limits import ServerLimits
 from forklift.server.serve import default_served_name
 
 # How long the first start of every replica may take (model load included).
@@ -54,6 +55,7 @@ def serve_data_parallel(
     api_key: str | None = None,
     served_model_name: str | None = None,
     enable_trainer_routes: bool = False,
+    limits: ServerLimits | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
     import ray
@@ -77,14 +79,14 @@ def serve_data_parallel(
     replica_host = "127.0.0.1" if local else None
     actors = [
         actor_class.options(scheduling_strategy="SPREAD").remote(
-            kwargs, name, api_key, replica_host, enable_trainer_routes
+            kwargs, name, api_key, replica_host, enable_trainer_routes, limits
         )
         for _ in range(data_parallel_size)
     ]
     frontend = Frontend(
         [RayReplicaHandle(a) for a in actors],
         Router(data_parallel_size),
-        FrontendSettings(api_key=api_key),
+        FrontendSettings(api_key=api_key, limits=limits or ServerLimits()),
     )
     app = build_frontend_app(frontend, lambda: frontend.connect_all(_STARTUP_TIMEOUT_S))
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)

@@ -18,6 +18,7 @@ import uvicorn
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
 from forklift.server.app import build_app
+from forklift.server.limits import ServerLimits
 
 
 class ReplicaServer:
@@ -28,6 +29,7 @@ class ReplicaServer:
         api_key: str | None,
         host: str | None,
         enable_trainer_routes: bool = False,
+        limits: ServerLimits | None = None,
     ) -> None:
         if host is None:  # on a node of a Ray cluster: the address other nodes reach it at
             import ray
@@ -35,7 +37,11 @@ class ReplicaServer:
             host = ray.util.get_node_ip_address()
         engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
         app = build_app(
-            engine, served_model_name, api_key, enable_trainer_routes=enable_trainer_routes
+            engine,
+            served_model_name,
+            api_key,
+            limits=limits,
+            enable_trainer_routes=enable_trainer_routes,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
