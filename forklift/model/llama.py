@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
+from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
@@ -62,6 +63,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     # The tensor-parallel group the row-parallel projections reduce over (None: one rank).
     tp: TensorParallelGroup | None = None
+    # The decode attention kernel (set by the model: in place on a CPU).
+    decode_attention: DecodeKernel = staticmethod(gathered_decode_attention)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -81,7 +84,9 @@ class DecoderLayer(nn.Module):
         q, k, v = regions.attention_input(self, hidden, *rope)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, key_cache, value_cache, meta, self.self_attn.scale)
+        attn = paged_attention(
+            q, key_cache, value_cache, meta, self.self_attn.scale, self.decode_attention
+        )
         return regions.attention_output_and_mlp(self, hidden, attn)
 
 
@@ -179,6 +184,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, meta, regions)
         return self.norm(hidden)
+
+    def use_decode_attention(self, kernel: DecodeKernel) -> None:
+        for layer in self.layers:
+            layer.decode_attention = kernel
 
     def set_tensor_parallel_group(self, tp: TensorParallelGroup | None) -> None:
         self.tp = tp

@@ -11,6 +11,7 @@ import torch
 
 from forklift.engine.scheduler import ScheduledRequest
 from forklift.model.layers.attention import AttentionMetadata
+from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
@@ -145,6 +146,7 @@ class ModelRunner:
             self.shard,
         )  # fmt: skip
         model.set_tensor_parallel_group(self.tp)
+        model.use_decode_attention(DecodeAttention(self.device))
         self.quantization_report = quantize_model(model, self.quantization)
         return model
 

@@ -9,9 +9,10 @@ keys as [seqs, blocks x block_size], padded with the zeroed null block, so one b
 serves the whole group with no per-sequence Python loop, and a long prefill chunk does not
 pad every decode in the step to its length.
 
-Prefill groups run SDPA. Decode groups run two batched matmuls with the query heads of each
-KV head stacked as rows: on a CPU, SDPA's flash kernel spends 5-13x longer on a single query
-row per head (measured: 330 vs 95 us at one sequence of 580 tokens, 3.0 ms vs 0.23 ms at 8).
+Prefill groups run SDPA. Decode groups run a `DecodeKernel` (layers/decode_attention.py):
+on a CPU, SDPA's flash kernel spends 5-13x longer on a single query row per head (measured:
+330 vs 95 us at one sequence of 580 tokens, 3.0 ms vs 0.23 ms at 8), and the in-place kernel
+reads the cache without copying each context out first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from forklift.model.layers.decode_attention import (
+    DecodeKernel,
+    gathered_decode_attention,
+    read_blocks,
+)
 
 
 @dataclass
@@ -69,6 +76,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode: DecodeKernel = gathered_decode_attention,
 ) -> torch.Tensor:
     """query: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
     num_tokens, heads, head_dim = query.shape
@@ -77,13 +85,12 @@ def paged_attention(
         if group.query_index.shape[1] == 1:
             # Every token is one sequence's single decode query, already in order: no
             # gather into a padded layout and none back out.
-            return _attend(query[:, None], key_cache, value_cache, group, scale)
-        return _attend_group(query, key_cache, value_cache, group, scale)
+            return _attend(query[:, None], key_cache, value_cache, group, scale, decode)
+        return _attend_group(query, key_cache, value_cache, group, scale, decode)
     out = query.new_empty(num_tokens, heads * head_dim)
     for group in meta.groups:
-        out.index_copy_(
-            0, group.token_index, _attend_group(query, key_cache, value_cache, group, scale)
-        )
+        attended = _attend_group(query, key_cache, value_cache, group, scale, decode)
+        out.index_copy_(0, group.token_index, attended)
     return out
 
 
@@ -93,11 +100,12 @@ def _attend_group(
     value_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    decode: DecodeKernel,
 ) -> torch.Tensor:
     _, heads, head_dim = query.shape
     padded = torch.cat([query.reshape(-1, heads * head_dim), query.new_zeros(1, heads * head_dim)])
     q = _gather_rows(padded, group.query_index).view(*group.query_index.shape, heads, head_dim)
-    out = _attend(q, key_cache, value_cache, group, scale)
+    out = _attend(q, key_cache, value_cache, group, scale, decode)
     return out.index_select(0, group.padded_index)
 
 
@@ -107,14 +115,16 @@ def _attend(
     value_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    decode: DecodeKernel,
 ) -> torch.Tensor:
     """q: [S, Q, H, D] -> [S * Q, H * D], keys and values read through the block tables."""
     seqs, queries, heads, head_dim = q.shape
-    kv_heads = key_cache.shape[0]
-    k = _read_blocks(key_cache, group.kv_blocks)  # [Hkv, S, L, D]
-    v = _read_blocks(value_cache, group.kv_blocks)
     if queries == 1:
-        return _attend_decode(q.view(seqs, heads, head_dim), k, v, group.mask, scale)
+        flat = q.view(seqs, heads, head_dim)
+        return decode(flat, key_cache, value_cache, group.kv_blocks, group.mask, scale)
+    kv_heads = key_cache.shape[0]
+    k = read_blocks(key_cache, group.kv_blocks)  # [Hkv, S, L, D]
+    v = read_blocks(value_cache, group.kv_blocks)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [S, H, Q, D]
         k.transpose(0, 1),  # [S, Hkv, L, D]
@@ -124,33 +134,6 @@ def _attend(
         enable_gqa=heads != kv_heads,
     )
     return out.transpose(1, 2).reshape(-1, heads * head_dim)
-
-
-def _attend_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query per sequence. q: [S, H, D], k/v: [Hkv, S, L, D], bias: [S, 1, 1, L].
-
-    Batched over (KV head, sequence): query head h reads KV head h // (H / Hkv), so each KV
-    head's queries of one sequence are the rows of one small matmul against its keys."""
-    seqs, heads, head_dim = q.shape
-    kv_heads, _, context, _ = k.shape
-    group = heads // kv_heads
-    rows = q.view(seqs, kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, S, G, D]
-    scores = torch.matmul(rows, k.transpose(2, 3)).float()  # [Hkv, S, G, L]
-    probs = torch.softmax(scores.mul_(scale).add_(bias.view(1, seqs, 1, context)), dim=-1)
-    out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, D]
-    return out.transpose(0, 1).reshape(seqs, heads * head_dim)
-
-
-def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, S, blocks x block_size,
-    head_dim] for a [S, blocks] table: each (head, sequence) context is contiguous."""
-    kv_heads, num_blocks, block_size, head_dim = cache.shape
-    rows = cache.view(kv_heads, num_blocks, block_size * head_dim).index_select(
-        1, blocks.reshape(-1)
-    )
-    return rows.view(kv_heads, blocks.shape[0], -1, head_dim)
 
 
 def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Decode attention (one query per sequence) over the paged KV cache.
+
+Two implementations of the same arithmetic:
+- `gathered_decode_attention` copies each sequence's blocks out of the cache (one
+  `index_select` of whole blocks) and runs two batched matmuls. Any device.
+- `in_place_decode_attention` writes the same arithmetic as indexing, broadcasts and
+  reductions, which torch.compile on a CPU lowers to C++ loops that load K and V straight
+  from the cache through the block table: no copy of the context. Measured on a 2-core
+  AVX512-BF16 CPU at 640 tokens of context: 92 vs 156 us at one sequence, 457 vs 954 us at 8.
+
+`DecodeAttention` picks the in-place kernel on a CPU and falls back to the gathered one,
+once and with a warning, if compiling fails (say, no C++ compiler on the machine).
+
+Shapes: q [S, H, D]; caches [Hkv, num_blocks, block_size, D]; kv_blocks [S, nb]; bias
+[S, 1, 1, nb * block_size] float32 (0 where a query attends, -inf elsewhere); the result is
+[S, H * D]. Query head h reads KV head h // (H / Hkv).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger("forklift")
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+def gathered_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    seqs, heads, head_dim = q.shape
+    kv_heads = key_cache.shape[0]
+    k = read_blocks(key_cache, kv_blocks)  # [Hkv, S, L, D]
+    v = read_blocks(value_cache, kv_blocks)
+    context = k.shape[2]
+    # Each KV head's queries of one sequence are the rows of one small matmul.
+    rows = q.view(seqs, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [Hkv, S, G, D]
+    scores = torch.matmul(rows, k.transpose(2, 3)).float()  # [Hkv, S, G, L]
+    probs = torch.softmax(scores.mul_(scale).add_(bias.view(1, seqs, 1, context)), dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v)  # [Hkv, S, G, D]
+    return out.transpose(0, 1).reshape(seqs, heads * head_dim)
+
+
+def in_place_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Eagerly this materialises large broadcasts; it is meant to run compiled."""
+    seqs, heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = key_cache.shape
+    blocks = kv_blocks.shape[1]
+    group = heads // kv_heads
+    k = key_cache[:, kv_blocks]  # [Hkv, S, nb, bs, D]: indirect loads once compiled
+    v = value_cache[:, kv_blocks]
+    rows = q.view(seqs, kv_heads, group, head_dim).transpose(0, 1).float()  # [Hkv, S, G, D]
+    scores = (rows[:, :, :, None, None, :] * k[:, :, None].float()).sum(-1)  # [Hkv,S,G,nb,bs]
+    scores = scores.reshape(kv_heads, seqs, group, blocks * block_size) * scale
+    probs = torch.softmax(scores + bias.view(1, seqs, 1, -1), dim=-1)
+    probs = probs.view(kv_heads, seqs, group, blocks, block_size, 1)
+    out = (probs * v[:, :, None].float()).sum(dim=(3, 4))  # [Hkv, S, G, D]
+    return out.transpose(0, 1).reshape(seqs, heads * head_dim).to(q.dtype)
+
+
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, S, blocks x block_size,
+    head_dim] for a [S, blocks] table: each (head, sequence) context is contiguous."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    rows = cache.view(kv_heads, num_blocks, block_size * head_dim).index_select(
+        1, blocks.reshape(-1)
+    )
+    return rows.view(kv_heads, blocks.shape[0], -1, head_dim)
+
+
+@functools.cache
+def _compiled_in_place() -> DecodeKernel:
+    # One wrapper per process: dynamo keeps its compiled graphs on it (dynamic shapes: one
+    # graph serves every batch and context size).
+    return torch.compile(in_place_decode_attention, dynamic=True)
+
+
+class DecodeAttention:
+    """The decode kernel of one model: in place (compiled) on a CPU, gathered elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.in_place = device.type == "cpu"
+        self._kernel: DecodeKernel = (
+            _compiled_in_place() if self.in_place else gathered_decode_attention
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        kv_blocks: torch.Tensor,
+        bias: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if not self.in_place:
+            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+        try:
+            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+        except Exception as exc:  # compiling can fail in many ways; the math cannot
+            logger.warning(
+                "in-place decode attention failed to compile (%s); gathering blocks instead",
+                exc,
+            )
+            self.in_place = False
+            self._kernel = gathered_decode_attention
+            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
