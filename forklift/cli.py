@@ -145,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             enable_trainer_routes=args.enable_trainer_routes,
             limits=server_limits_from_args(args),
+            shutdown_timeout_s=args.shutdown_timeout,
         )
     return serve(
         engine_config_from_args(args),

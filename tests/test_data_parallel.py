@@ -224,3 +224,21 @@ def test_front_end_bounds_request_bodies_before_proxying():
         # /v1/weights has its own limit; under it the request goes on (no replica here).
         assert client.post("/v1/weights", content=b"x" * 1500).status_code == 503
         assert client.post("/v1/weights", content=b"x" * 2500).status_code == 413
+
+
+def test_front_end_refuses_new_requests_while_draining():
+    from fastapi.testclient import TestClient
+
+    from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
+
+    async def nothing() -> None:
+        return None
+
+    frontend = Frontend([], Router(0), FrontendSettings())
+    assert frontend.is_idle()
+    frontend.stop_accepting()
+    with TestClient(build_frontend_app(frontend, nothing)) as client:
+        refused = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+        assert refused.status_code == 503
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert client.get("/health").status_code == 503

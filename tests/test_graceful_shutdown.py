@@ -138,3 +138,48 @@ def test_a_second_signal_exits_at_once(served):
     code = served.process.wait(timeout=10)
     assert time.monotonic() - started < 5
     assert code == 128 + signal.SIGINT
+
+
+class FakeTarget:
+    """Stands in for an AsyncEngine or the data-parallel front end."""
+
+    def __init__(self) -> None:
+        self.accepting = True
+        self.busy = True
+        self.aborted = 0
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def is_idle(self) -> bool:
+        return not self.busy
+
+    def abort_all(self) -> int:
+        self.aborted += 1
+        return 1
+
+
+def test_draining_server_waits_then_aborts_then_exits(monkeypatch):
+    import asyncio
+    import io
+
+    import uvicorn
+
+    from forklift.server import shutdown
+
+    target = FakeTarget()
+    server = shutdown.DrainingServer(uvicorn.Config(app=None), "ready", io.StringIO(), target, 0.2)
+    tick = asyncio.run
+    assert tick(server.on_tick(1)) is False  # serving as usual
+    server.handle_exit(signal.SIGTERM, None)
+    assert not target.accepting and not server.should_exit
+    assert tick(server.on_tick(2)) is False and target.aborted == 0  # draining
+    time.sleep(0.25)
+    assert tick(server.on_tick(3)) is False and target.aborted == 1  # timeout: abort once
+    assert tick(server.on_tick(4)) is False and target.aborted == 1
+    target.busy = False
+    assert tick(server.on_tick(5)) is True  # idle: uvicorn may close
+    exits = []
+    monkeypatch.setattr(shutdown.os, "_exit", exits.append)
+    server.handle_exit(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]

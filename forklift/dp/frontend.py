@@ -69,6 +69,19 @@ class Frontend:
         self.pids: dict[int, int] = {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s))
         self._monitor: asyncio.Task[None] | None = None
+        self.accepting = True
+
+    # ---- graceful shutdown (see forklift/server/shutdown.py) ------------------------------
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def is_idle(self) -> bool:
+        return all(r.outstanding_requests == 0 for r in self.router.replicas)
+
+    def abort_all(self) -> int:
+        # Proxied requests are aborted on their replicas when uvicorn closes their
+        # connections, after its own graceful timeout.
+        return sum(r.outstanding_requests for r in self.router.replicas)
 
     # ---- replica health -----------------------------------------------------------------
     async def connect_all(self, timeout_s: float) -> None:
@@ -120,6 +133,8 @@ class Frontend:
 
     # ---- proxying -----------------------------------------------------------------------
     async def generate(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        if not self.accepting:
+            return error_response(503, "the server is shutting down and takes no new requests")
         try:
             payload = json.loads(body)
         except ValueError:
@@ -323,7 +338,7 @@ def build_frontend_app(frontend: Frontend, startup: Callable[[], Awaitable[None]
 
     @app.get("/health")
     async def health() -> Response:
-        up = any(r.healthy for r in frontend.router.replicas)
+        up = frontend.accepting and any(r.healthy for r in frontend.router.replicas)
         return Response(status_code=200 if up else 503)
 
     @app.get("/metrics")

@@ -18,10 +18,11 @@ import uvicorn
 from forklift.config import EngineConfig
 from forklift.dp.frontend import Frontend, FrontendSettings, build_frontend_app
 from forklift.dp.router import Router
-from forklift.server.announce import AnnouncingServer, ready_line
+from forklift.server.announce import ready_line
 from forklift.server.exposure import check_trainer_routes_exposure
 from forklift.server.limits import ServerLimits
 from forklift.server.serve import default_served_name
+from forklift.server.shutdown import DrainingServer
 
 # How long the first start of every replica may take (model load included).
 _STARTUP_TIMEOUT_S = 900.0
@@ -56,6 +57,7 @@ def serve_data_parallel(
     served_model_name: str | None = None,
     enable_trainer_routes: bool = False,
     limits: ServerLimits | None = None,
+    shutdown_timeout_s: float = 30.0,
     out: TextIO = sys.stdout,
 ) -> int:
     import ray
@@ -92,7 +94,7 @@ def serve_data_parallel(
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     line = ready_line(host, port, name, api_key) + f" [{data_parallel_size} replicas]"
     try:
-        AnnouncingServer(uv_config, line, out).run()
+        DrainingServer(uv_config, line, out, frontend, shutdown_timeout_s).run()
     finally:
         ray.shutdown()
     return 0

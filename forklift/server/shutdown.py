@@ -11,11 +11,10 @@ import logging
 import os
 import time
 from types import FrameType
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import uvicorn
 
-from forklift.engine.async_engine import AsyncEngine
 from forklift.server.announce import AnnouncingServer
 
 logger = logging.getLogger("forklift")
@@ -24,18 +23,28 @@ logger = logging.getLogger("forklift")
 _CLOSE_CONNECTIONS_S = 5.0
 
 
+class Drainable(Protocol):
+    """What serves the requests: an `AsyncEngine`, or the data-parallel front end."""
+
+    def stop_accepting(self) -> None: ...
+
+    def is_idle(self) -> bool: ...
+
+    def abort_all(self) -> int: ...
+
+
 class DrainingServer(AnnouncingServer):
     def __init__(
         self,
         config: uvicorn.Config,
         line: str,
         out: TextIO,
-        async_engine: AsyncEngine,
+        target: Drainable,
         timeout_s: float,
     ) -> None:
         config.timeout_graceful_shutdown = config.timeout_graceful_shutdown or _CLOSE_CONNECTIONS_S
         super().__init__(config, line, out)
-        self._engine = async_engine
+        self._target = target
         self._timeout_s = timeout_s
         self._deadline: float | None = None
         self._aborted = False
@@ -52,14 +61,14 @@ class DrainingServer(AnnouncingServer):
             self._timeout_s,
         )
         self._deadline = time.monotonic() + self._timeout_s
-        self._engine.stop_accepting()
+        self._target.stop_accepting()
 
     async def on_tick(self, counter: int) -> bool:
         if self._deadline is not None:
-            if self._engine.is_idle():
+            if self._target.is_idle():
                 return True
             if time.monotonic() >= self._deadline and not self._aborted:
                 self._aborted = True
-                count = self._engine.abort_all()
+                count = self._target.abort_all()
                 logger.warning("forklift: shutdown timeout, aborted %d request(s)", count)
         return await super().on_tick(counter)
