@@ -7,6 +7,8 @@ import torch
 
 from forklift.model.layers.attention import AttentionGroup, AttentionMetadata
 
+DECODE_MIN_BLOCKS = 2
+
 
 def build_attention_metadata(
     starts: np.ndarray,
@@ -76,6 +78,10 @@ def _group(
     kv_lens = starts + query_lens
     # Whole blocks are read: the key width is a multiple of block_size, padding masked.
     num_blocks = -(-max(int(kv_lens.max()), min_kv_width) // block_size)
+    if max_q == 1:
+        # At least two blocks (padding masked): a width of one would make the compiled
+        # decode kernel specialise, i.e. compile again, on it.
+        num_blocks = max(num_blocks, DECODE_MIN_BLOCKS)
     kv_blocks = np.zeros((count, num_blocks), dtype=np.int64)  # padding -> the null block
     width = min(num_blocks, table.shape[1])
     kv_blocks[:, :width] = table[:, :width]

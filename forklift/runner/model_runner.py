@@ -24,7 +24,7 @@ from forklift.model.quantize import (
 )
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.weight_update import WeightUpdater
-from forklift.runner.attention_metadata import build_attention_metadata
+from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.memory import (
@@ -181,15 +181,36 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._tell_workers("allocate_kv_cache", num_blocks)
         self._allocate_kv_cache(num_blocks)
+        self._warm_up_decode_attention()
+
+    def _warm_up_decode_attention(self) -> None:
+        """Compile the in-place decode kernel for this model's shapes now rather than in the
+        first request (one sequence and several compile separately); later calls, and later
+        engines in the same process, find it compiled."""
+        kernel = self.model.layers[0].decode_attention
+        if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
+            return
+        cfg = self.model.config
+        key_cache, value_cache = self.kv_caches[0]
+        width = DECODE_MIN_BLOCKS
+        for seqs in (1, 2):
+            # As in a step: index tensors built outside inference mode, queries inside it
+            # (dynamo guards on the difference).
+            blocks = torch.zeros(seqs, width, dtype=torch.int64, device=self.device)
+            bias = torch.zeros(seqs, width * self.block_size, device=self.device)
+            with torch.inference_mode():
+                q = torch.zeros(seqs, cfg.num_heads, cfg.head_dim, dtype=self.dtype,
+                                device=self.device)  # fmt: skip
+                kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # Methods that other ranks mirror call only these unannounced helpers inside.
         cfg = self.model.config  # this rank's KV heads
         # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
-        # that decode attention multiplies in place (layers/attention.py).
+        # (layers/decode_attention.py).
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
-        # torch.empty leaves pages untouched until a block is first written; only the null
-        # block, which pads every gather, must hold zeros.
+        # torch.empty leaves pages untouched until a block is first used; only the null
+        # block, which pads every read, must hold zeros (others are zeroed on first use).
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         cache[:, :, :, 0].zero_()
         self._unwritten_blocks = np.ones(num_blocks, dtype=bool)

@@ -121,7 +121,8 @@ def _attend(
     seqs, queries, heads, head_dim = q.shape
     if queries == 1:
         flat = q.view(seqs, heads, head_dim)
-        return decode(flat, key_cache, value_cache, group.kv_blocks, group.mask, scale)
+        bias = group.mask.view(seqs, -1)  # [S, L], strides (L, 1) whatever NumPy gave
+        return decode(flat, key_cache, value_cache, group.kv_blocks, bias, scale)
     kv_heads = key_cache.shape[0]
     k = read_blocks(key_cache, group.kv_blocks)  # [Hkv, S, L, D]
     v = read_blocks(value_cache, group.kv_blocks)

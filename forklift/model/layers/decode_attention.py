@@ -12,7 +12,7 @@ Two implementations of the same arithmetic:
 once and with a warning, if compiling fails (say, no C++ compiler on the machine).
 
 Shapes: q [S, H, D]; caches [Hkv, num_blocks, block_size, D]; kv_blocks [S, nb]; bias
-[S, 1, 1, nb * block_size] float32 (0 where a query attends, -inf elsewhere); the result is
+[S, nb * block_size] float32 (0 where a query attends, -inf elsewhere); the result is
 [S, H * D]. Query head h reads KV head h // (H / Hkv).
 """
 
@@ -114,7 +114,10 @@ class DecodeAttention:
         if not self.in_place:
             return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
         try:
-            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+            # Without duck sizing, sizes that happen to be equal in one call (batch size and
+            # KV heads, say) are not assumed equal forever, which would recompile later.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
         except Exception as exc:  # compiling can fail in many ways; the math cannot
             logger.warning(
                 "in-place decode attention failed to compile (%s); gathering blocks instead",
