@@ -16,10 +16,13 @@ def test_operators_fall_into_their_buckets():
     assert categorize("aten::index_select") == "attention"
     assert categorize("aten::argmax") == "sampling"
     assert categorize("aten::silu") == "other ops"
+    assert categorize("aten::_weight_int4pack_mm_for_cpu") == "matrix"
+    # The in-place decode attention kernel is the compiled graph of an eager step.
+    assert categorize("## Call CompiledFxGraph abc123 ##") == "attention"
 
 
 def test_profile_report_adds_up(tmp_path):
-    args = ["bench", "profile", "--batch-sizes", "1,4", "--steps", "2"]
+    args = ["bench", "profile", "--batch-sizes", "1,4", "--steps", "2", "--context", "40"]
     assert main([*args, "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "profile.json").read_text())
     assert (tmp_path / "profile.png").stat().st_size > 0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from forklift.bench.report import announce, positive_ints
+from forklift.config import QUANTIZATION_METHODS
 from forklift.rl.cli import add_bench_grpo_parser
 
 
@@ -257,6 +258,8 @@ def _add_profile(bench_sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="profiled decode steps per size")
+    parser.add_argument("--context", type=int, default=564, help="prompt tokens per request")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_METHODS)
     parser.add_argument("--out-dir", default="benchmarks")
     parser.set_defaults(func=_cmd_profile)
 
@@ -267,9 +270,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     sizes = positive_ints(args.batch_sizes, "--batch-sizes")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    report = run_profile_bench(args.model, args.dtype, sizes, args.steps)
+    context = positive_ints(str(args.context), "--context")[0]
+    report = run_profile_bench(
+        args.model, args.dtype, sizes, args.steps, context, args.quantization
+    )
     command = ["forklift", "bench", "profile", "--batch-sizes", args.batch_sizes]
-    command += ["--steps", str(args.steps)]
+    command += ["--steps", str(args.steps), "--context", str(context)]
+    command += ["--quantization", args.quantization] if args.quantization != "auto" else []
     command += ["--model", args.model] if args.model else []
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     report["command"] = shlex.join(command)

@@ -24,7 +24,10 @@ from forklift.sampling_params import SamplingParams
 CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispatch")
 
 _MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-           "mkldnn::_linear_pointwise"}  # fmt: skip
+           "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
+           "aten::_weight_int8pack_mm"}  # fmt: skip
+# In an eager step the only compiled code is the in-place decode attention kernel.
+_COMPILED_GRAPH = "CompiledFxGraph"
 _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 _ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index"}
 _SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
@@ -34,7 +37,11 @@ _SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::t
 def categorize(op_name: str) -> str:
     if op_name in _MATRIX:
         return "matrix"
-    if op_name in _ATTENTION or op_name.startswith(_ATTENTION_PREFIXES):
+    if (
+        op_name in _ATTENTION
+        or op_name.startswith(_ATTENTION_PREFIXES)
+        or _COMPILED_GRAPH in op_name
+    ):
         return "attention"
     if op_name in _SAMPLING:
         return "sampling"
@@ -49,14 +56,16 @@ class StepBreakdown:
     ms_per_step: dict[str, float]
 
 
-def profile_decode(llm: LLM, batch: int, steps: int, seed: int = 0) -> StepBreakdown:
+def profile_decode(
+    llm: LLM, batch: int, steps: int, seed: int = 0, context: int = 16
+) -> StepBreakdown:
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
     before = engine.step_log[-1].index if engine.step_log else 0
     for _ in range(batch):
-        engine.add_request(None, [rng.randrange(vocab) for _ in range(16)], params)
+        engine.add_request(None, [rng.randrange(vocab) for _ in range(context)], params)
     # Prefill, then one decode step outside the profile (one-time allocations).
     engine.step()
     while engine.step_log[-1].num_batched_tokens != batch or engine.step_log[-1].index <= before:
@@ -79,18 +88,27 @@ def profile_decode(llm: LLM, batch: int, steps: int, seed: int = 0) -> StepBreak
 
 
 def run_profile_bench(
-    model: str | None, dtype: str, batch_sizes: tuple[int, ...], steps: int
+    model: str | None,
+    dtype: str,
+    batch_sizes: tuple[int, ...],
+    steps: int,
+    context: int = 564,
+    quantization: str = "auto",
 ) -> dict[str, Any]:
-    llm = LLM(model=model, dtype=dtype, max_model_len=16 + steps + 8,
-              max_num_seqs=max(batch_sizes))  # fmt: skip
-    profile_decode(llm, 1, 2)  # warm-up
+    llm = LLM(model=model, dtype=dtype, quantization=quantization,
+              max_model_len=context + steps + 8, max_num_seqs=max(batch_sizes),
+              max_num_batched_tokens=max(2048, max(batch_sizes)))  # fmt: skip
+    profile_decode(llm, 1, 2, context=context)  # warm-up
     engine = llm.llm_engine
+    breakdowns = [profile_decode(llm, b, steps, seed=b, context=context) for b in batch_sizes]
     return {
         "benchmark": "profile",
         "model": str(engine.model_source.path.name),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
+        "context": context,
         "threads": torch.get_num_threads(),
-        "breakdowns": [asdict(profile_decode(llm, b, steps, seed=b)) for b in batch_sizes],
+        "breakdowns": [asdict(b) for b in breakdowns],
     }
 
 
@@ -100,9 +118,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Model {report['model']}, dtype {report['dtype']}, {report['threads']} threads, eager "
-        "decode. Operators' own CPU time by kind (torch.profiler); python and dispatch is the "
-        "step's wall time beyond all operators (scheduling, input preparation, outputs). "
+        f"Model {report['model']}, dtype {report['dtype']}, quantization "
+        f"{report['quantization']}, {report['threads']} threads, eager decode at a context of "
+        f"{report['context']} tokens. Operators' own CPU time by kind (torch.profiler); "
+        "python and dispatch is the step's wall time beyond all operators (scheduling, "
+        "input preparation, outputs). "
         "Milliseconds per step, with the share of the step.",
         "",
         "| batch | step (ms) | " + " | ".join(CATEGORIES) + " |",
