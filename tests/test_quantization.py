@@ -289,3 +289,38 @@ def test_gguf_q8_0_linears_serve_as_int8(tmp_path):
     llm = _llm(path, dtype="bfloat16")
     linears = _quantized_linears(llm)
     assert len(linears) == 8 and all(isinstance(m.quantized, PackedInt8) for m in linears)
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+             "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"],
+)  # fmt: skip
+def test_tensor_parallel_shards_of_int4_groups_are_shards_of_the_weight(name):
+    """Each rank's slice of the file's groups dequantizes to that rank's slice of the dense
+    weight (row-parallel slices fall on group boundaries: 64-wide heads, 768 columns)."""
+    from types import SimpleNamespace
+
+    from test_tensor_parallel import SMOLLM2_LIKE
+
+    from forklift.model.quantize import _shard_groups
+    from forklift.model.tensor_parallel import TensorParallelShard, hf_tensor_shape
+
+    torch.manual_seed(4)
+    groups = int4_groups_from_dense(torch.randn(hf_tensor_shape(name, SMOLLM2_LIKE)))
+    dense = groups.dequantize()
+    for rank in (0, 1):
+        shard = TensorParallelShard.plan(SMOLLM2_LIKE, rank, 2)
+        model = SimpleNamespace(shard=shard, full_config=SMOLLM2_LIKE)
+        sliced = _shard_groups(model, name, groups)
+        assert sliced is not None
+        assert torch.equal(sliced.dequantize(), shard.shard(name, dense, SMOLLM2_LIKE))
+
+
+def test_tensor_parallel_serves_quantized_weights(tmp_path):
+    _, path = _tiny_gguf(tmp_path, "Q4_1")
+    prompts = [[5, 9, 13, 2], [40, 41, 3]]
+    single = _greedy(_llm(path, dtype="bfloat16"), prompts, 12)
+    tp = _llm(path, dtype="bfloat16", tensor_parallel_size=2)
+    assert tp.llm_engine.quantization == "gguf" and len(_quantized_linears(tp)) == 8
+    for a, b in zip(single, _greedy(tp, prompts, 12), strict=True):
+        assert _close(a.outputs[0], b.outputs[0])
