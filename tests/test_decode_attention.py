@@ -48,7 +48,7 @@ def _reference(q, key_cache, value_cache, blocks, lengths, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seqs, kv_heads, group", [(1, 2, 2), (5, 3, 3), (3, 1, 4)])
+@pytest.mark.parametrize("seqs, kv_heads, group", [(1, 2, 2), (2, 2, 2), (5, 3, 3), (3, 1, 4)])
 def test_in_place_and_gathered_match_the_reference(dtype, seqs, kv_heads, group):
     q, key_cache, value_cache, blocks, bias, lengths = _case(dtype, seqs, kv_heads, group, 7)
     scale = 0.25

@@ -144,7 +144,10 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=settings.timed_steps + 4, ignore_eos=True)
+    # Requests prefilled in earlier chunks decode while later ones still prefill: give them
+    # enough tokens to last until every request decodes.
+    tokens = settings.timed_steps + 4 + _prefill_steps(llm, batch, settings.context)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(settings.context)]
         engine.add_request(None, prompt, params)
@@ -163,6 +166,10 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     return decode[1 : 1 + settings.timed_steps]
 
 
+def _prefill_steps(llm: LLM, batch: int, context: int) -> int:
+    return -(-batch * context // llm.llm_engine.scheduler.max_num_batched_tokens)
+
+
 def _measure_form(
     settings: DecodeSettings, form: WeightForm, bandwidth: float
 ) -> tuple[list[DecodePoint], LLM]:
@@ -171,7 +178,10 @@ def _measure_form(
         model=settings.model,
         dtype=form.dtype,
         quantization=form.quantization,
-        max_model_len=settings.context + settings.timed_steps + 8,
+        max_model_len=settings.context
+        + settings.timed_steps
+        + 8
+        + -(-longest * settings.context // max(2048, longest)),
         max_num_seqs=longest,
         max_num_batched_tokens=max(2048, longest),
         enforce_eager=form.enforce_eager,

@@ -62,7 +62,10 @@ def profile_decode(
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+    # Requests prefilled in earlier chunks decode while later ones still prefill: give them
+    # enough tokens to last until every request decodes.
+    prefill_steps = -(-batch * context // engine.scheduler.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=steps + 3 + prefill_steps, ignore_eos=True)
     before = engine.step_log[-1].index if engine.step_log else 0
     for _ in range(batch):
         engine.add_request(None, [rng.randrange(vocab) for _ in range(context)], params)
@@ -96,7 +99,8 @@ def run_profile_bench(
     quantization: str = "auto",
 ) -> dict[str, Any]:
     llm = LLM(model=model, dtype=dtype, quantization=quantization,
-              max_model_len=context + steps + 8, max_num_seqs=max(batch_sizes),
+              max_model_len=context + steps + 8 + max(batch_sizes) * context // 2048,
+              max_num_seqs=max(batch_sizes),
               max_num_batched_tokens=max(2048, max(batch_sizes)))  # fmt: skip
     profile_decode(llm, 1, 2, context=context)  # warm-up
     engine = llm.llm_engine

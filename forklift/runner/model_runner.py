@@ -11,7 +11,7 @@ import torch
 
 from forklift.engine.scheduler import ScheduledRequest
 from forklift.model.layers.attention import AttentionMetadata
-from forklift.model.layers.decode_attention import DecodeAttention
+from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
@@ -185,23 +185,21 @@ class ModelRunner:
 
     def _warm_up_decode_attention(self) -> None:
         """Compile the in-place decode kernel for this model's shapes now rather than in the
-        first request (one sequence and several compile separately); later calls, and later
-        engines in the same process, find it compiled."""
+        first request; later calls, and later engines in the same process, find it compiled."""
         kernel = self.model.layers[0].decode_attention
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
         cfg = self.model.config
         key_cache, value_cache = self.kv_caches[0]
-        width = DECODE_MIN_BLOCKS
-        for seqs in (1, 2):
-            # As in a step: index tensors built outside inference mode, queries inside it
-            # (dynamo guards on the difference).
-            blocks = torch.zeros(seqs, width, dtype=torch.int64, device=self.device)
-            bias = torch.zeros(seqs, width * self.block_size, device=self.device)
-            with torch.inference_mode():
-                q = torch.zeros(seqs, cfg.num_heads, cfg.head_dim, dtype=self.dtype,
-                                device=self.device)  # fmt: skip
-                kernel(q, key_cache, value_cache, blocks, bias, 1.0)
+        seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
+        # As in a step: index tensors built outside inference mode, queries inside it (dynamo
+        # guards on the difference).
+        blocks = torch.zeros(seqs, width, dtype=torch.int64, device=self.device)
+        bias = torch.zeros(seqs, width * self.block_size, device=self.device)
+        with torch.inference_mode():
+            q = torch.zeros(seqs, cfg.num_heads, cfg.head_dim, dtype=self.dtype,
+                            device=self.device)  # fmt: skip
+            kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # Methods that other ranks mirror call only these unannounced helpers inside.

@@ -5,10 +5,13 @@ Two implementations of the same arithmetic:
   `index_select` of whole blocks) and runs two batched matmuls. Any device.
 - `in_place_decode_attention` writes the same arithmetic as indexing, broadcasts and
   reductions, which torch.compile on a CPU lowers to C++ loops that load K and V straight
-  from the cache through the block table: no copy of the context. Measured on a 2-core
-  AVX512-BF16 CPU at 640 tokens of context: 92 vs 156 us at one sequence, 457 vs 954 us at 8.
+  from the cache through the block table: no copy of the context.
 
-`DecodeAttention` picks the in-place kernel on a CPU and falls back to the gathered one,
+`DecodeAttention` picks the in-place kernel on a CPU for steps of several sequences and the
+gathered one for a single sequence, where the compiled call's overhead outweighs the copy
+(measured in `forklift bench decode`, int4 weights at 564 tokens of context on a 2-core
+AVX512-BF16 CPU: a whole step takes 20.3 ms in place vs 18.7 ms gathered at one sequence,
+42.7 vs 62.0 ms at 8, 101 vs 104 ms at 32). It falls back to the gathered kernel for good,
 once and with a warning, if compiling fails (say, no C++ compiler on the machine).
 
 Shapes: q [S, H, D]; caches [Hkv, num_blocks, block_size, D]; kv_blocks [S, nb]; bias
@@ -93,14 +96,21 @@ def _compiled_in_place() -> DecodeKernel:
     return torch.compile(in_place_decode_attention, dynamic=True)
 
 
+# Fewest sequences a step needs for the in-place kernel (see the module docstring).
+IN_PLACE_MIN_SEQS = 2
+
+
 class DecodeAttention:
-    """The decode kernel of one model: in place (compiled) on a CPU, gathered elsewhere."""
+    """The decode kernel of one model: in place (compiled) on a CPU for several sequences,
+    gathered elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
         self.in_place = device.type == "cpu"
         self._kernel: DecodeKernel = (
             _compiled_in_place() if self.in_place else gathered_decode_attention
         )
+        # Built once: a fresh config patch per call costs more than the kernel.
+        self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
 
     def __call__(
         self,
@@ -111,12 +121,12 @@ class DecodeAttention:
         bias: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if not self.in_place:
-            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+        if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS:
+            return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)
         try:
             # Without duck sizing, sizes that happen to be equal in one call (batch size and
             # KV heads, say) are not assumed equal forever, which would recompile later.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            with self._no_duck_sizing:
                 return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
         except Exception as exc:  # compiling can fail in many ways; the math cannot
             logger.warning(
