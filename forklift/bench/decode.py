@@ -216,7 +216,9 @@ def run_llama_bench(binary: str, model: Path, context: int, threads: int) -> dic
                "-d", str(context), "-fa", "0", "-o", "json"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=900)
     rows = json.loads(done.stdout)
-    return {"command": " ".join(command[1:]), "tokens_per_s": float(rows[0]["avg_ts"]),
+    # The report names the model file, not where it sits on this machine.
+    shown = [model.name if part == str(model) else part for part in command[1:]]
+    return {"command": " ".join(shown), "tokens_per_s": float(rows[0]["avg_ts"]),
             "stddev": float(rows[0].get("stddev_ts", 0.0))}  # fmt: skip
 
 
@@ -237,7 +239,8 @@ def run_decode_bench(settings: DecodeSettings) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": engine.device.type,
         "cpu_flags": cpu_flags(),
-        "settings": asdict(settings),
+        # The peer binary's path stays out of the report (it is this machine's).
+        "settings": {**asdict(settings), "llama_bench": bool(settings.llama_bench)},
         "linear_weights": linear_weights(engine.model_config),
         "read_bandwidth_bytes_per_s": bandwidth,
         "points": [asdict(p) for p in points],
