@@ -168,3 +168,46 @@ def test_tp2_sizes_its_kv_cache_by_profiling(tmp_path):
         assert _greedy(llm, prompts) == expected
     finally:
         llm.shutdown()
+
+
+def test_a_script_without_the_main_guard_fails_fast_and_says_so(tmp_path):
+    """Spawned ranks re-import the main script; without the guard they die at import, and
+    rank 0 must say so at once rather than wait out the group's timeout."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    make_tiny_model("llama", tmp_path)
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from forklift import LLM
+            LLM(model={str(tmp_path)!r}, dtype="float32", tensor_parallel_size=2,
+                kv_cache_memory_bytes=2**20, max_model_len=64)
+            """
+        )
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode != 0
+    assert "tensor-parallel rank 1 exited with code 1" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_a_rank_killed_mid_run_makes_rank_0_raise_with_its_exit_code(tmp_path):
+    import os
+    import signal
+
+    make_tiny_model("llama", tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2,
+              kv_cache_memory_bytes=2**20, max_model_len=64)  # fmt: skip
+    worker = llm.llm_engine._tp_workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match="rank 1 exited with code -9"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)

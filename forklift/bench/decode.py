@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from forklift.bench.report import write_report_files
+from forklift.bench.report import cpu_flags, write_report_files
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
@@ -265,19 +265,6 @@ def batch_cost(points: list[DecodePoint]) -> dict[str, dict[int, float]]:
         if 1 in steps:
             cost[form] = {b: t / steps[1] for b, t in steps.items()}
     return cost
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's matrix-relevant instruction-set flags (benchmarks record them)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return []
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -42,3 +42,16 @@ def positive_ints(text: str, flag: str) -> tuple[int, ...]:
     if min(values) < 1:
         raise ValueError(f"{flag} must be positive integers, got {text!r}")
     return values
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's matrix-relevant instruction-set flags (benchmarks record them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return []

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from forklift.bench.report import write_report_files
+from forklift.bench.report import cpu_flags, write_report_files
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
 
@@ -107,6 +107,7 @@ def run_profile_bench(
     breakdowns = [profile_decode(llm, b, steps, seed=b, context=context) for b in batch_sizes]
     return {
         "benchmark": "profile",
+        "cpu_flags": cpu_flags(),
         "model": str(engine.model_source.path.name),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
@@ -127,6 +128,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['context']} tokens. Operators' own CPU time by kind (torch.profiler); "
         "python and dispatch is the step's wall time beyond all operators (scheduling, "
         "input preparation, outputs). "
+        f"CPU flags: {' '.join(report.get('cpu_flags', [])) or 'n/a'}. "
         "Milliseconds per step, with the share of the step.",
         "",
         "| batch | step (ms) | " + " | ".join(CATEGORIES) + " |",

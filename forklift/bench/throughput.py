@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forklift.bench.hf_baseline import load_hf_model, run_static_batches
-from forklift.bench.report import write_report_files
+from forklift.bench.report import cpu_flags, write_report_files
 from forklift.bench.workload import DEFAULT_OUTPUT_LENGTHS, offline_mixed
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
@@ -87,6 +87,7 @@ def run_throughput(settings: ThroughputSettings) -> dict[str, Any]:
     forklift_side = _run_forklift(llm, prompts, lengths)
     return {
         "benchmark": "throughput",
+        "cpu_flags": cpu_flags(),
         "workload": {
             "name": "offline-mixed",
             "num_requests": settings.num_requests,
@@ -138,7 +139,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Model {report['model']}, dtype {report['dtype']}, workload {work['name']}: "
         f"{work['num_requests']} chat instructions, output lengths cycling "
-        f"{', '.join(map(str, work['output_lengths']))} (`ignore_eos`), both sides in one process.",
+        f"{', '.join(map(str, work['output_lengths']))} (`ignore_eos`), both sides in one process. "
+        f"CPU flags: {' '.join(report.get('cpu_flags', [])) or 'n/a'}.",
         "",
         "| engine | output tokens | wall (s) | output tok/s | notes |",
         "|---|---|---|---|---|",

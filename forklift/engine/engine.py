@@ -360,7 +360,12 @@ class LLMEngine:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         tables = [self.kv_cache.block_table(s.request.request_id) for s in sched.scheduled]
-        result = self.runner.execute(sched.scheduled, tables)
+        try:
+            result = self.runner.execute(sched.scheduled, tables)
+        except RuntimeError as exc:
+            if self._tp_workers is not None:
+                self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
+            raise
         sampled: list[int | None] = [None] * len(sched.scheduled)
         if result.sampler_output is not None:
             for row, item in enumerate(result.sampled_items):
