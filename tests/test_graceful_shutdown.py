@@ -147,6 +147,7 @@ class FakeTarget:
         self.accepting = True
         self.busy = True
         self.aborted = 0
+        self.error: BaseException | None = None
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -157,6 +158,9 @@ class FakeTarget:
     def abort_all(self) -> int:
         self.aborted += 1
         return 1
+
+    def failure(self) -> BaseException | None:
+        return self.error
 
 
 def test_draining_server_waits_then_aborts_then_exits(monkeypatch):
@@ -183,3 +187,19 @@ def test_draining_server_waits_then_aborts_then_exits(monkeypatch):
     monkeypatch.setattr(shutdown.os, "_exit", exits.append)
     server.handle_exit(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
+
+
+def test_a_dead_engine_makes_the_server_exit_non_zero():
+    import asyncio
+    import io
+
+    import uvicorn
+
+    from forklift.server import shutdown
+
+    target = FakeTarget()
+    server = shutdown.DrainingServer(uvicorn.Config(app=None), "ready", io.StringIO(), target, 5)
+    assert asyncio.run(server.on_tick(1)) is False and not server.failed
+    target.error = RuntimeError("tensor-parallel rank 1 exited with code -9")
+    assert asyncio.run(server.on_tick(2)) is True  # uvicorn stops serving
+    assert server.failed and not target.accepting

@@ -143,3 +143,26 @@ def test_tokenizer_export_loads_in_transformers(tmp_path, default_source):
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         ours.apply_chat_template(messages)
     )
+
+
+def test_a_dead_engine_answers_503_naming_the_error(tmp_path, monkeypatch):
+    make_tiny_model("llama", tmp_path)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20
+        )  # fmt: skip
+    )
+
+    def broken_step():
+        raise RuntimeError("tensor-parallel rank 1 exited with code -9")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    app = build_app(engine, "tiny")
+    with running_server(app) as url:
+        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        later = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    for response in (first, later):
+        assert response.status_code == 503
+        assert "rank 1 exited with code -9" in response.json()["error"]["message"]
+    assert app.state.ctx.async_engine.failure() is not None

@@ -78,6 +78,9 @@ class Frontend:
     def is_idle(self) -> bool:
         return all(r.outstanding_requests == 0 for r in self.router.replicas)
 
+    def failure(self) -> BaseException | None:
+        return None  # replicas that die are restarted by Ray
+
     def abort_all(self) -> int:
         # Proxied requests are aborted on their replicas when uvicorn closes their
         # connections, after its own graceful timeout.

@@ -204,6 +204,10 @@ class AsyncEngine:
         with self._lock:
             return not self._streams and not any(isinstance(c, _Add) for c in self._commands)
 
+    def failure(self) -> BaseException | None:
+        """The error that stopped the engine thread, if one did."""
+        return self._error
+
     def abort_all(self) -> int:
         """Abort every request (finish reason "abort"); returns how many. Resumes a paused
         engine so that the aborts, applied between steps, take effect."""

@@ -490,7 +490,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op for a single rank)."""
         if self._tp_workers is not None:
-            self.runner.shutdown()
+            try:
+                self.runner.shutdown()
+            except RuntimeError as exc:  # a rank already died: stop the others anyway
+                logger.warning("tensor parallel: shutdown broadcast failed (%s)", exc)
             self._tp_workers.join()
             self._tp_workers = None
 

@@ -166,7 +166,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(500, str(exc))
+        # The server exits (non-zero) at its next tick; until then the service is gone.
+        return error_response(503, str(exc))
 
 
 def install_api_key_check(app: FastAPI, api_key: str) -> None:

@@ -50,4 +50,4 @@ def serve(
         server.run()
     finally:
         engine.shutdown()  # tensor-parallel workers
-    return 0
+    return 1 if server.failed else 0

@@ -32,6 +32,10 @@ class Drainable(Protocol):
 
     def abort_all(self) -> int: ...
 
+    def failure(self) -> BaseException | None:
+        """What stopped it for good (a dead engine), if anything did."""
+        ...
+
 
 class DrainingServer(AnnouncingServer):
     def __init__(
@@ -48,6 +52,8 @@ class DrainingServer(AnnouncingServer):
         self._timeout_s = timeout_s
         self._deadline: float | None = None
         self._aborted = False
+        # Set when the target died: the server then exits non-zero instead of serving 503s.
+        self.failed = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would stop listening at once (refused connections, not 503s)
@@ -64,6 +70,13 @@ class DrainingServer(AnnouncingServer):
         self._target.stop_accepting()
 
     async def on_tick(self, counter: int) -> bool:
+        failure = self._target.failure()
+        if failure is not None:
+            if not self.failed:
+                logger.error("forklift: the engine stopped (%s); exiting", failure)
+            self.failed = True
+            self._target.stop_accepting()
+            return True
         if self._deadline is not None:
             if self._target.is_idle():
                 return True
