@@ -28,6 +28,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_profile(bench_sub)
     _add_scale(bench_sub)
     _add_startup(bench_sub)
+    _add_soak(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -327,3 +328,36 @@ def _cmd_startup(args: argparse.Namespace) -> int:
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0
+
+
+def _add_soak(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "soak", help="many mixed requests and dropped streams: no errors, no leaked blocks"
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument(
+        "--disconnect-share", type=float, default=None, help="share of streams dropped"
+    )
+    parser.add_argument("--quick", action="store_true", help="a small run (under a minute)")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_soak)
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from forklift.bench.soak import SoakSettings, render_markdown, run_soak, write_report
+
+    overrides: dict[str, Any] = {"model": args.model}
+    for name in ("num_requests", "concurrency", "disconnect_share"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    report = run_soak((SoakSettings.quick if args.quick else SoakSettings)(**overrides))
+    command = ["forklift", "bench", "soak"] + (["--quick"] if args.quick else [])
+    command += ["--model", args.model] if args.model else []
+    for name in ("num_requests", "concurrency", "disconnect_share"):
+        if getattr(args, name) is not None:
+            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    return 0 if report["errors"] == 0 and report["final_kv_usage"] == 0 else 1

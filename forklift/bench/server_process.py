@@ -22,6 +22,15 @@ def free_loopback_port() -> int:
 @contextmanager
 def forklift_server(extra_args: list[str], startup_timeout_s: float = 300.0) -> Iterator[str]:
     """Yields the base URL once /health answers; the server's log is shown if it fails."""
+    with forklift_server_process(extra_args, startup_timeout_s) as (base_url, _):
+        yield base_url
+
+
+@contextmanager
+def forklift_server_process(
+    extra_args: list[str], startup_timeout_s: float = 300.0
+) -> Iterator[tuple[str, int]]:
+    """Like `forklift_server`, also yielding the server's process id (to watch its memory)."""
     port = free_loopback_port()
     command = [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), *extra_args]
@@ -30,7 +39,7 @@ def forklift_server(extra_args: list[str], startup_timeout_s: float = 300.0) -> 
         base_url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(process, base_url, startup_timeout_s, log)
-            yield base_url
+            yield base_url, process.pid
         finally:
             process.terminate()
             try:
