@@ -324,3 +324,26 @@ def test_tensor_parallel_serves_quantized_weights(tmp_path):
     assert tp.llm_engine.quantization == "gguf" and len(_quantized_linears(tp)) == 8
     for a, b in zip(single, _greedy(tp, prompts, 12), strict=True):
         assert _close(a.outputs[0], b.outputs[0])
+
+
+def test_quantized_engine_with_prefix_caching_n_and_preemption(tmp_path):
+    """A shared prefix, n=2 samples and a KV cache small enough to preempt, on int4 weights,
+    track a roomy engine without prefix caching (logprob closeness: rows may take the int4
+    or the dense path depending on how the steps were cut)."""
+    _, path = _tiny_gguf(tmp_path, "Q4_1")
+    prefix = [7, 3, 9, 11, 4, 8, 15, 2, 6, 13, 5, 10]
+    prompts = [prefix + [20 + i] for i in range(4)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
+    tight = LLM(model=str(path), dtype="bfloat16", max_model_len=64, block_size=4,
+                kv_cache_memory_bytes=48 * 1024, max_num_seqs=8)  # fmt: skip
+    roomy = _llm(path, dtype="bfloat16", enable_prefix_caching=False)
+    got = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want = roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine = tight.llm_engine
+    assert engine.quantization == "gguf"
+    assert sum(s.num_preempted for s in engine.step_log) > 0
+    assert engine.prefix_cache_stats().hit_tokens > 0
+    for g, w in zip(got, want, strict=True):
+        assert len(g.outputs) == 2
+        for a, b in zip(g.outputs, w.outputs, strict=True):
+            assert _close(a, b)

@@ -132,6 +132,7 @@ def quantize_model(model: LlamaForCausalLM, plan: QuantizationPlan) -> Quantizat
         weight, source = _quantize_weight(module.weight, form, exact.get(param))
         module.quantized = weight
         report.tensors.append(QuantizedTensor(param, form, source, weight.nbytes))
+        logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
         report.dense_bytes += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None and not _is_bf16(model.packed_tied_head):
         model.quantized_head = PackedInt8.quantize(model.embed_tokens.weight)
