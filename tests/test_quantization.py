@@ -347,3 +347,31 @@ def test_quantized_engine_with_prefix_caching_n_and_preemption(tmp_path):
         assert len(g.outputs) == 2
         for a, b in zip(g.outputs, w.outputs, strict=True):
             assert _close(a, b)
+
+
+def test_a_cpu_without_bf16_units_runs_fp32_with_int4_layers_and_an_int8_head(
+    default_source, monkeypatch
+):
+    """The AVX2-only path, simulated: dtype auto is float32, layers run int4 (activations
+    cast to bf16 for the kernel), the tied head reads int8 rows, and greedy decoding tracks
+    the dense fp32 model."""
+    import forklift.config as config_module
+    import forklift.model.layers.linear as linear_module
+
+    monkeypatch.setattr(config_module, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(linear_module, "cpu_has_fast_bf16", lambda: False)
+    common = dict(model=str(default_source.path), max_model_len=128,
+                  kv_cache_memory_bytes=16 * 2**20)  # fmt: skip
+    quantized = LLM(**common)
+    engine = quantized.llm_engine
+    assert engine.dtype == torch.float32 and engine.quantization == "gguf"
+    model = engine.runner.model
+    assert isinstance(model.quantized_head, PackedInt8)
+    assert model.layers[0].mlp.down_proj.packed_weight.dtype == torch.float32
+    dense = LLM(**common, quantization="none")
+    convs = [[{"role": "user", "content": q}] for q in ("Name a colour.", "What is 2+2?")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    got = quantized.chat(convs, params, use_tqdm=False)
+    want = dense.chat(convs, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert _close(g.outputs[0], w.outputs[0])
