@@ -23,6 +23,7 @@ import psutil
 
 from forklift.bench.report import cpu_flags, write_report_files
 from forklift.bench.server_process import forklift_server_process
+from forklift.bench.stream_client import sse_payloads
 
 
 @dataclass
@@ -131,13 +132,7 @@ async def run_request(client: httpx.AsyncClient, request: SoakRequest) -> Outcom
 async def _read_stream(request: SoakRequest, response: httpx.Response) -> Outcome:
     finished: dict[int, str] = {}
     usage: dict[str, Any] = {}
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in sse_payloads(response):
         if request.disconnect and chunk.get("choices"):
             return Outcome(True, disconnected=True)  # leaving the block closes the stream
         for choice in chunk.get("choices") or []:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,17 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent-event stream, up to its `[DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def stream_request(
     client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
 ) -> RequestTiming:
@@ -73,13 +85,7 @@ async def stream_request(
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 return RequestTiming(ok=False, error=f"HTTP {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_payloads(response):
                 if _chunk_text(chunk):
                     chunk_times.append(time.perf_counter() - start)
                 usage = chunk.get("usage") or usage
