@@ -15,6 +15,7 @@ from forklift.server.serving import (
     ChoiceProgress,
     Launch,
     ServerContext,
+    json_logprob,
     launch,
     make_params,
     usage,
@@ -202,4 +203,4 @@ def _logprob_content(completion: CompletionOutput, start: int, top_n: int) -> li
 
 def _token_fields(token: str | None, logprob: float) -> dict[str, Any]:
     text = token or ""
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}

@@ -16,6 +16,7 @@ from forklift.server.serving import (
     ChoiceProgress,
     Launch,
     ServerContext,
+    json_logprob,
     launch,
     make_params,
     usage,
@@ -172,8 +173,8 @@ def _logprobs(
         chosen = entry[token_id]
         piece = chosen.decoded_token or ""
         tokens.append(piece)
-        token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for tid, lp in entry.items()})
+        token_logprobs.append(json_logprob(chosen.logprob))
+        top.append({(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()})
         text_offset.append(offset)
         offset += len(piece)
     return {

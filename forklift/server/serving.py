@@ -95,6 +95,15 @@ def make_params(
         raise bad_request(exc) from exc
 
 
+# JSON has no -inf: a token the sampling filters dropped (top-k, top-p, min-p, min_tokens)
+# has logprob -inf in `processed` mode, reported as OpenAI's floor instead.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
 def usage(prompt_ids: list[list[int]], finals: list[RequestOutput | None]) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in prompt_ids)
     completion_tokens = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
