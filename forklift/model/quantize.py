@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forklift.config import QUANTIZATION_METHODS
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import (
     GROUP_SIZE,
@@ -60,12 +59,9 @@ NO_QUANTIZATION = QuantizationPlan("none")
 def resolve_quantization(
     quantization: str, dtype_asked: str, model_format: str, device: torch.device
 ) -> str:
-    """The method an engine runs: "auto" serves a GGUF file at its own precision on a CPU, but
-    never lowers a precision the user asked for (an explicit float32 or float16 stays dense)."""
-    if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}"
-        )
+    """The method an engine runs (`quantization` is one EngineConfig validated): "auto" serves
+    a GGUF file at its own precision on a CPU, but never lowers a precision the user asked for
+    (an explicit float32 or float16 stays dense)."""
     if quantization == "none":
         return "none"
     usable = device.type == "cpu" and int4_kernel_available()
@@ -96,10 +92,6 @@ class QuantizationReport:
     tensors: list[QuantizedTensor] = field(default_factory=list)
     dense_bytes: int = 0  # the dense copies quantized layers keep for prefill
 
-    @property
-    def quantized_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
     def summary(self) -> str:
         if not self.tensors:
             return f"quantization {self.method}: all weights dense"
@@ -121,12 +113,13 @@ def quantize_model(model: LlamaForCausalLM, plan: QuantizationPlan) -> Quantizat
     report = QuantizationReport(plan.method)
     if not plan.enabled:
         return report
-    exact = _exact_int4_groups(model, plan)
+    sources = _sources_of(model.config)
+    exact = _exact_int4_groups(model, plan, sources)
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
         param = f"{name}.weight"
-        form = _form_for(plan, _sources_of(model.config)[param])
+        form = _form_for(plan, sources[param])
         if form is None or (param == "lm_head.weight" and _is_bf16(module.packed_weight)):
             continue
         weight, source = _quantize_weight(module.weight, form, exact.get(param))
@@ -189,7 +182,9 @@ def _sources_of(config: ModelConfig) -> dict[str, list[str]]:
     return {param: [n for _, n in sorted(parts)] for param, parts in sources.items()}
 
 
-def _exact_int4_groups(model: LlamaForCausalLM, plan: QuantizationPlan) -> dict[str, Int4Groups]:
+def _exact_int4_groups(
+    model: LlamaForCausalLM, plan: QuantizationPlan, sources: dict[str, list[str]]
+) -> dict[str, Int4Groups]:
     """Model parameter -> its int4 groups from the file, where every part has them."""
     if plan.int4_groups is None or plan.method == "int8":
         return {}
@@ -201,7 +196,7 @@ def _exact_int4_groups(model: LlamaForCausalLM, plan: QuantizationPlan) -> dict[
                 continue
         by_hf[hf_name] = groups
     exact = {}
-    for param, hf_names in _sources_of(model.config).items():
+    for param, hf_names in sources.items():
         if all(n in by_hf for n in hf_names):
             exact[param] = cat_groups([by_hf[n] for n in hf_names])
     return exact
