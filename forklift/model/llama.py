@@ -63,7 +63,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     # The tensor-parallel group the row-parallel projections reduce over (None: one rank).
     tp: TensorParallelGroup | None = None
-    # The decode attention kernel (set by the model: in place on a CPU).
+    # The decode attention kernel (the runner gives a CPU the in-place one).
     decode_attention: DecodeKernel = staticmethod(gathered_decode_attention)
 
     def __init__(self, config: ModelConfig) -> None:
