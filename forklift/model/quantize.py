@@ -212,10 +212,9 @@ def _shard_groups(model: LlamaForCausalLM, hf_name: str, groups: Int4Groups) -> 
     if columns[0] % GROUP_SIZE or columns.numel() % GROUP_SIZE:
         return None
     codes = model.shard.shard(hf_name, groups.codes, config)
-    expand = torch.ones(1, GROUP_SIZE)
 
     def shard_per_group(values: torch.Tensor) -> torch.Tensor:
-        full = (values[..., None] * expand).reshape(n, k)
+        full = values.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]: one value per input
         return model.shard.shard(hf_name, full, config)[:, ::GROUP_SIZE].contiguous()
 
     return Int4Groups(codes.contiguous(), shard_per_group(groups.scales),

@@ -106,9 +106,7 @@ class DecodeAttention:
 
     def __init__(self, device: torch.device) -> None:
         self.in_place = device.type == "cpu"
-        self._kernel: DecodeKernel = (
-            _compiled_in_place() if self.in_place else gathered_decode_attention
-        )
+        self._kernel = _compiled_in_place()  # a wrapper: nothing compiles until it is called
         # Built once: a fresh config patch per call costs more than the kernel.
         self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
 
@@ -134,5 +132,4 @@ class DecodeAttention:
                 exc,
             )
             self.in_place = False
-            self._kernel = gathered_decode_attention
-            return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+            return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)
