@@ -146,7 +146,8 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
     # enough tokens to last until every request decodes.
-    tokens = settings.timed_steps + 4 + _prefill_steps(llm, batch, settings.context)
+    budget = engine.scheduler.max_num_batched_tokens
+    tokens = settings.timed_steps + 4 + prefill_steps(batch, settings.context, budget)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(settings.context)]
@@ -166,14 +167,22 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
     return decode[1 : 1 + settings.timed_steps]
 
 
-def _prefill_steps(llm: LLM, batch: int, context: int) -> int:
-    return -(-batch * context // llm.llm_engine.scheduler.max_num_batched_tokens)
+def decode_step_budget(batch: int) -> int:
+    """The token budget a decode benchmark's engine gets for this largest batch."""
+    return max(2048, batch)
+
+
+def prefill_steps(batch: int, context: int, budget: int) -> int:
+    """Steps that `batch` prompts of `context` tokens take to prefill in chunks of `budget`:
+    the first requests decode that many steps before the last one does."""
+    return -(-batch * context // budget)
 
 
 def _measure_form(
     settings: DecodeSettings, form: WeightForm, bandwidth: float
 ) -> tuple[list[DecodePoint], LLM]:
     longest = max(settings.batch_sizes)
+    budget = decode_step_budget(longest)
     llm = LLM(
         model=settings.model,
         dtype=form.dtype,
@@ -181,9 +190,9 @@ def _measure_form(
         max_model_len=settings.context
         + settings.timed_steps
         + 8
-        + -(-longest * settings.context // max(2048, longest)),
+        + prefill_steps(longest, settings.context, budget),
         max_num_seqs=longest,
-        max_num_batched_tokens=max(2048, longest),
+        max_num_batched_tokens=budget,
         enforce_eager=form.enforce_eager,
         decode_capture_sizes=settings.batch_sizes,
     )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from forklift.bench.decode import decode_step_budget, prefill_steps
 from forklift.bench.report import cpu_flags, write_report_files
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
@@ -64,8 +65,8 @@ def profile_decode(
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
     # enough tokens to last until every request decodes.
-    prefill_steps = -(-batch * context // engine.scheduler.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=steps + 3 + prefill_steps, ignore_eos=True)
+    prefill = prefill_steps(batch, context, engine.scheduler.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=steps + 3 + prefill, ignore_eos=True)
     before = engine.step_log[-1].index if engine.step_log else 0
     for _ in range(batch):
         engine.add_request(None, [rng.randrange(vocab) for _ in range(context)], params)
@@ -98,10 +99,11 @@ def run_profile_bench(
     context: int = 564,
     quantization: str = "auto",
 ) -> dict[str, Any]:
+    longest = max(batch_sizes)
+    budget = decode_step_budget(longest)
     llm = LLM(model=model, dtype=dtype, quantization=quantization,
-              max_model_len=context + steps + 8 + max(batch_sizes) * context // 2048,
-              max_num_seqs=max(batch_sizes),
-              max_num_batched_tokens=max(2048, max(batch_sizes)))  # fmt: skip
+              max_model_len=context + steps + 8 + prefill_steps(longest, context, budget),
+              max_num_seqs=longest, max_num_batched_tokens=budget)  # fmt: skip
     profile_decode(llm, 1, 2, context=context)  # warm-up
     engine = llm.llm_engine
     breakdowns = [profile_decode(llm, b, steps, seed=b, context=context) for b in batch_sizes]
