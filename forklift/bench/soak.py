@@ -183,7 +183,7 @@ async def server_gauges(client: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def _sample_memory(
-    client: httpx.AsyncClient, pid: int, every_s: float, progress: list[int],
+    client: httpx.AsyncClient, pid: int, every_s: float, outcomes: list[Outcome],
     samples: list[MemorySample], start: float,
 ) -> None:  # fmt: skip
     process = psutil.Process(pid)
@@ -192,7 +192,7 @@ async def _sample_memory(
         samples.append(
             MemorySample(
                 time.perf_counter() - start,
-                progress[0],
+                len(outcomes),
                 process.memory_info().rss / 2**20,
                 gauges.get("forklift:kv_cache_usage_perc", float("nan")),
             )  # fmt: skip
@@ -204,7 +204,6 @@ async def _drive(base_url: str, pid: int, settings: SoakSettings) -> dict[str, A
     mix = request_mix(settings)
     outcomes: list[Outcome] = []
     samples: list[MemorySample] = []
-    progress = [0]
     queue: asyncio.Queue[SoakRequest] = asyncio.Queue()
     for request in mix:
         queue.put_nowait(request)
@@ -214,11 +213,10 @@ async def _drive(base_url: str, pid: int, settings: SoakSettings) -> dict[str, A
         async def worker() -> None:
             while not queue.empty():
                 outcomes.append(await run_request(client, queue.get_nowait()))
-                progress[0] += 1
 
         start = time.perf_counter()
         sampler = asyncio.create_task(
-            _sample_memory(client, pid, settings.sample_every_s, progress, samples, start)
+            _sample_memory(client, pid, settings.sample_every_s, outcomes, samples, start)
         )
         await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
         wall = time.perf_counter() - start
