@@ -163,17 +163,21 @@ class EngineConfig:
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def _positive(name: str, value: int | None, optional: bool = False) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from forklift.config import cpu_flags as all_cpu_flags
+
 
 def write_report_files(
     report: dict[str, Any],
@@ -46,12 +48,4 @@ def positive_ints(text: str, flag: str) -> tuple[int, ...]:
 
 def cpu_flags() -> list[str]:
     """The CPU's matrix-relevant instruction-set flags (benchmarks record them)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return []
+    return sorted(f for f in all_cpu_flags() if f.startswith(("avx", "amx", "fma")))
