@@ -25,6 +25,7 @@ from forklift.engine.output_processor import (
 from forklift.engine.request import FinishReason, Request
 from forklift.engine.request_limits import check_sampling_limits
 from forklift.engine.scheduler import Scheduler, SchedulerOutput
+from forklift.engine.state_pool import StatePool
 from forklift.model.model_source import (
     iter_model_weights,
     load_model_config,
@@ -124,8 +125,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             sliding_window=self.model_config.sliding_window,
-            # Captured decode runs on a single rank for now.
-            enforce_eager=config.resolve_enforce_eager(self.device) or self._tp_workers is not None,
+            # Captured decode runs on a single rank, and Llama-family layers, for now.
+            enforce_eager=(
+                config.resolve_enforce_eager(self.device)
+                or self._tp_workers is not None
+                or self.model_config.is_hybrid
+            ),
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
             tp=self._tp_workers.group if self._tp_workers else None,
             quantization=quantization_plan(source, self.model_config, self.quantization),
@@ -137,16 +142,22 @@ class LLMEngine:
             memory_utilization=config.resolve_memory_utilization(self.device),
         )
         self._check_kv_fits()
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
         self.kv_cache = KVCacheManager(
-            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching
+            self.kv_plan.num_blocks, config.block_size, self._prefix_caching_enabled()
         )
         # Bumped by every weight update; the prefix cache keys on it.
         self.weight_version = 0
         # 0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed.
         self.sleep_level = 0
+        self.state_pool = (
+            StatePool(self.kv_plan.num_state_slots) if self.model_config.is_hybrid else None
+        )
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.resolve_max_num_batched_tokens()
+            self.kv_cache,
+            self._max_running_sequences(),
+            config.resolve_max_num_batched_tokens(),
+            self.state_pool,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parents: dict[str, ParentRequest] = {}
@@ -173,8 +184,43 @@ class LLMEngine:
             )
         return wanted
 
+    def _prefix_caching_enabled(self) -> bool:
+        if not self.config.enable_prefix_caching or not self.model_config.is_hybrid:
+            return self.config.enable_prefix_caching
+        # A hit would have to restore the linear layers' state where the cached prefix ends,
+        # i.e. a state snapshot kept per cached block: far larger than the block itself.
+        plan = self.kv_plan
+        logger.info(
+            "prefix caching is off for this hybrid model: restoring a cached prefix needs a "
+            "linear-layer state snapshot per block, %.2f MiB each, against %.2f MiB of KV per "
+            "block",
+            plan.state_bytes_per_slot / 2**20,
+            plan.bytes_per_block / 2**20,
+        )
+        return False
+
+    def _max_running_sequences(self) -> int:
+        """max_num_seqs, capped by the state slots a hybrid model's budget holds."""
+        wanted = self.config.max_num_seqs
+        if not self.model_config.is_hybrid:
+            return wanted
+        slots = self.kv_plan.num_state_slots
+        if slots < wanted:
+            logger.warning(
+                "max_num_seqs capped at %d (was %d): the memory budget holds %d linear-layer "
+                "state slots of %.2f MiB",
+                slots, wanted, slots, self.kv_plan.state_bytes_per_slot / 2**20,
+            )  # fmt: skip
+        return min(slots, wanted)
+
     def _check_kv_fits(self) -> None:
         plan = self.kv_plan
+        if self.model_config.is_hybrid and plan.num_state_slots < 1:
+            raise ValueError(
+                f"the memory budget ({plan.source}) holds no linear-layer state slot of "
+                f"{plan.state_bytes_per_slot} bytes. Raise kv_cache_memory_bytes or "
+                "gpu_memory_utilization."
+            )
         needed = blocks_for_tokens(self.max_model_len, plan.block_size)
         if plan.num_blocks - 1 < needed:
             raise ValueError(
@@ -206,6 +252,13 @@ class LLMEngine:
             self.max_model_len,
             plan.max_concurrency(self.max_model_len),
         )
+        if plan.num_state_slots:
+            logger.info(
+                "linear-layer states: %d slots x %.2f MiB = %.1f MiB (one per running sequence)",
+                plan.num_state_slots,
+                plan.state_bytes_per_slot / 2**20,
+                plan.state_bytes / 2**20,
+            )
         logger.info("%s", self.runner.quantization_report.summary())
 
     # ---- requests ------------------------------------------------------------------------
@@ -361,7 +414,7 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = now
         tables = [self.kv_cache.block_table(s.request.request_id) for s in sched.scheduled]
         try:
-            result = self.runner.execute(sched.scheduled, tables)
+            result = self.runner.execute(sched.scheduled, tables, sched.state_copies)
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
@@ -484,7 +537,7 @@ class LLMEngine:
         if self.sleep_level == 2:
             self.runner.reload_weights()
             self.weight_version += 1
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
         self.sleep_level = 0
 
     def shutdown(self) -> None:

@@ -4,6 +4,11 @@ Every step, running requests are served first (decodes and unfinished prefill ch
 waiting requests are admitted while the token budget, `max_num_seqs` and free blocks allow.
 When a running request cannot get a block, the newest running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later.
+
+A hybrid model's linear layers also need a state slot per running sequence (`state_pool`),
+taken at admission and given back at finish or preemption. Its samples of one prompt fork the
+leader's state where the shared blocks end: the leader's prefill chunk is cut at that block
+boundary, and the step after it copies the state into each sample's slot.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 
 from forklift.engine.kv_cache_manager import KVCacheManager
 from forklift.engine.request import FinishReason, Request, RequestStatus
+from forklift.engine.state_pool import StatePool
 
 
 @dataclass
@@ -23,17 +29,22 @@ class ScheduledRequest:
     start: int
     # True when this chunk reaches the end of the request's tokens, so it yields a token.
     samples: bool = False
+    # Hybrid models: the request's state slot (0, the zero slot, for other models).
+    state_slot: int = 0
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def of(cls, request: Request, num_new_tokens: int, state_slot: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return cls(request, num_new_tokens, start, start + num_new_tokens == request.num_tokens)
+        samples = start + num_new_tokens == request.num_tokens
+        return cls(request, num_new_tokens, start, samples, state_slot)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (source, target) state slots the runner copies before this step's forward.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -46,9 +57,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_pool: StatePool | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.state_pool = state_pool
+        self._pending_state_copies: list[tuple[int, int]] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -76,16 +93,41 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if out.scheduled and self._pending_state_copies:
+            out.state_copies, self._pending_state_copies = self._pending_state_copies, []
         return out
+
+    def _slot(self, request: Request) -> int:
+        pool = self.state_pool
+        if pool is None:
+            return 0
+        slot = pool.slot_of(request.request_id)
+        assert slot is not None, "a scheduled request of a hybrid model holds a state slot"
+        return slot
+
+    def _fork_point(self, request: Request) -> int | None:
+        """Hybrid models: where a leader's samples take over its state (the end of the blocks
+        they share); None when there is no fork to make."""
+        if self.state_pool is None or not request.followers:
+            return None
+        shared = (request.num_prompt_tokens - 1) // self.kv_cache.block_size
+        return shared * self.kv_cache.block_size if shared else None
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        num_new = min(request.num_tokens - start, budget)
+        fork = self._fork_point(request)
+        if fork is not None and start < fork:
+            num_new = min(num_new, fork - start)  # stop where the state is forked
+        return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_or_preempt(request, num_new, out):
                 break
-            out.scheduled.append(ScheduledRequest.of(request, num_new))
+            out.scheduled.append(ScheduledRequest.of(request, num_new, self._slot(request)))
             budget -= num_new
             idx += 1
         return budget
@@ -126,21 +168,29 @@ class Scheduler:
         """Reserve blocks for a waiting request's next chunk, starting from the longest cached
         prefix when it has nothing computed; None when blocks ran out (nothing changes)."""
         kv = self.kv_cache
+        pool = self.state_pool
+        needs_slot = pool is not None and pool.slot_of(request.request_id) is None
+        if needs_slot and pool is not None and pool.num_free == 0:
+            return None
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
         cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if fresh else []
         start = request.num_computed_tokens + len(cached) * kv.block_size
-        num_new = min(request.num_tokens - start, budget)
+        num_new = self._chunk(request, start, budget)
         if not kv.allocate_slots(request.request_id, start + num_new, cached):
             return None
+        if needs_slot and pool is not None:
+            pool.allocate(request.request_id)
         if fresh and kv.enable_prefix_caching:
             kv.record_lookup(request.num_tokens, start)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
         request.num_computed_tokens = start
-        return ScheduledRequest.of(request, num_new)
+        return ScheduledRequest.of(request, num_new, self._slot(request))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        if self.state_pool is not None:
+            self.state_pool.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -162,7 +212,7 @@ class Scheduler:
                 request.num_computed_tokens,
                 request.cache_key,
             )
-            if request.followers and request.num_computed_tokens >= request.num_prompt_tokens:
+            if request.followers and self._reached_fork(request):
                 self._release_followers(request)
             if token_id is None:
                 continue
@@ -173,9 +223,19 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def _reached_fork(self, leader: Request) -> bool:
+        fork = self._fork_point(leader)
+        if self.state_pool is not None:
+            # A hybrid leader forks exactly at the boundary (its state moves on after it).
+            return fork is None or leader.num_computed_tokens == fork
+        return leader.num_computed_tokens >= leader.num_prompt_tokens
+
     def _release_followers(self, leader: Request) -> None:
         """The leader's prompt is computed: its samples share its full prompt blocks (the
-        partly filled last block is recomputed by each, so no block is ever written twice)."""
+        partly filled last block is recomputed by each, so no block is ever written twice).
+        A hybrid leader releases them at the end of those blocks, and each sample that gets a
+        state slot starts from a copy of the leader's state there; one that gets none computes
+        the prompt itself."""
         num_shared = (leader.num_prompt_tokens - 1) // self.kv_cache.block_size
         for follower in leader.followers:
             follower.prefix_leader = None
@@ -184,9 +244,19 @@ class Scheduler:
             )
             if follower.is_finished or not untouched or num_shared == 0:
                 continue
+            if self.state_pool is not None and not self._fork_state(leader, follower):
+                continue
             self.kv_cache.share_prefix(leader.request_id, follower.request_id, num_shared)
             follower.num_computed_tokens = num_shared * self.kv_cache.block_size
         leader.followers = []
+
+    def _fork_state(self, leader: Request, follower: Request) -> bool:
+        assert self.state_pool is not None
+        target = self.state_pool.allocate(follower.request_id)
+        if target is None:
+            return False
+        self._pending_state_copies.append((self._slot(leader), target))
+        return True
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Finish a request wherever it is; frees its blocks. Finishing twice is a no-op."""
@@ -200,5 +270,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        if self.state_pool is not None:
+            self.state_pool.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -22,7 +22,7 @@ from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
-from forklift.model.model_config import ModelConfig
+from forklift.model.model_config import FULL_ATTENTION, LinearAttentionConfig, ModelConfig
 from forklift.model.tensor_parallel import TensorParallelShard
 
 if TYPE_CHECKING:
@@ -159,16 +159,24 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp: TensorParallelGroup | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
+        self.norm = self.build_final_norm(config)
         self.rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+            config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+
+    @staticmethod
+    def build_layer(config: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(config)
+
+    @staticmethod
+    def build_final_norm(config: ModelConfig) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -178,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         regions: LayerRegions = EAGER_REGIONS,
     ) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden] for a flat batch of tokens."""
+        """Final hidden states [num_tokens, hidden] for a flat batch of tokens. `kv_caches`
+        holds each layer's cache: K and V, or a linear layer's conv and recurrent states."""
         hidden = self._embed(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -252,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             slot = weight_slot(hf_name, self.config)
+            hf_name = canonical_hf_name(hf_name)
             if slot is None:
                 continue
             if self.shard is not None:
@@ -298,12 +308,24 @@ class WeightSlot:
 
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# A vision-language checkpoint nests its language model one level down.
+_LANGUAGE_MODEL_PREFIX = "model.language_model."
+# Its vision tower and multi-token-prediction head, which forklift does not run.
+_UNUSED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def canonical_hf_name(hf_name: str) -> str:
+    if hf_name.startswith(_LANGUAGE_MODEL_PREFIX):
+        return "model." + hf_name.removeprefix(_LANGUAGE_MODEL_PREFIX)
+    return hf_name
 
 
 def is_ignored_hf_name(hf_name: str, config: ModelConfig) -> bool:
     """Names a checkpoint may carry that forklift has no use for."""
-    return hf_name.endswith("rotary_emb.inv_freq") or (
-        hf_name == "lm_head.weight" and config.tie_word_embeddings
+    return (
+        hf_name.endswith("rotary_emb.inv_freq")
+        or hf_name.startswith(_UNUSED_PREFIXES)
+        or (canonical_hf_name(hf_name) == "lm_head.weight" and config.tie_word_embeddings)
     )
 
 
@@ -311,6 +333,7 @@ def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
     """HF parameter name -> its slot in forklift's model; None for names it does not use."""
     if is_ignored_hf_name(hf_name, config):
         return None
+    hf_name = canonical_hf_name(hf_name)
     if hf_name == "model.embed_tokens.weight":
         return WeightSlot("embed_tokens.weight")
     if hf_name == "model.norm.weight":
@@ -321,7 +344,9 @@ def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
     if match is None:
         return None
     prefix, rest = f"layers.{match.group(1)}.", match.group(2)
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    if rest == "linear_attn.conv1d.weight":
+        return WeightSlot(prefix + "linear_attn.conv1d_weight")
+    q, kv, inter = config.q_proj_size, config.kv_size, config.intermediate_size
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
         "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
@@ -329,6 +354,8 @@ def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
         "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
         "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
     }
+    if config.linear_attention is not None:
+        fused.update(_linear_attention_rows(config.linear_attention))
     module, _, kind = rest.rpartition(".")
     if module in fused:
         fused_name, offset, rows = fused[module]
@@ -336,25 +363,52 @@ def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
     return WeightSlot(prefix + rest)
 
 
+def _linear_attention_rows(shape: LinearAttentionConfig) -> dict[str, tuple[str, int, int]]:
+    """Gated DeltaNet's four input projections, fused in row order q/k/v, z, b, a."""
+    qkv, z, heads = shape.conv_channels, shape.value_size, shape.num_value_heads
+    return {
+        "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0, qkv),
+        "linear_attn.in_proj_z": ("linear_attn.in_proj", qkv, z),
+        "linear_attn.in_proj_b": ("linear_attn.in_proj", qkv + z, heads),
+        "linear_attn.in_proj_a": ("linear_attn.in_proj", qkv + z + heads, heads),
+    }
+
+
+_COMMON_LAYER_NAMES = [
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+_LINEAR_ATTENTION_NAMES = [
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_b.weight",
+    "linear_attn.in_proj_a.weight",
+    "linear_attn.conv1d.weight",
+    "linear_attn.dt_bias",
+    "linear_attn.A_log",
+    "linear_attn.norm.weight",
+    "linear_attn.out_proj.weight",
+]
+
+
 def expected_hf_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = [
+    attention = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
     ]
     if config.qkv_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{n}" for n in per_layer]
+        mixer = attention if config.layer_type(i) == FULL_ATTENTION else _LINEAR_ATTENTION_NAMES
+        names += [f"model.layers.{i}.{n}" for n in mixer + _COMMON_LAYER_NAMES]
     return names

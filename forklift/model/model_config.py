@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
 
 # HF `architectures[0]` / `model_type` -> forklift architecture name.
 _HF_ARCHITECTURES = {
@@ -13,7 +16,42 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    # The text model of a vision-language checkpoint; its vision tower is not loaded.
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
+_HF_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Shape of a Gated DeltaNet layer: a short causal convolution over the fused q/k/v
+    projection, then the gated delta rule with a [key_dim, value_dim] state per value head."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+    def conv_state_elements(self) -> int:
+        """The last conv_kernel - 1 inputs of every channel."""
+        return (self.conv_kernel - 1) * self.conv_channels
+
+    def recurrent_state_elements(self) -> int:
+        return self.num_value_heads * self.key_head_dim * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -21,7 +59,9 @@ class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
 
     Qwen2 adds a bias to the q/k/v projections; Qwen3 adds RMS norms on q and k per head;
-    Mistral may restrict attention to a sliding window.
+    Mistral may restrict attention to a sliding window. Qwen3.5 is hybrid: `layer_types` names
+    each layer full or linear (Gated DeltaNet) attention; its full-attention layers gate their
+    output, rotate only `partial_rotary_factor` of each head and use zero-centred norms.
     """
 
     architecture: str
@@ -42,6 +82,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Empty: every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0
+    # Full attention multiplies its output by sigmoid(gate), the gate a second half of q_proj.
+    attention_output_gate: bool = False
+    # Norm weights are stored as w - 1 (the norm scales by 1 + w).
+    zero_centred_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -54,6 +102,49 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types names {len(self.layer_types)} layers, but the model has "
+                    f"{self.num_layers}"
+                )
+            unknown = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+            if unknown:
+                raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+            if LINEAR_ATTENTION in self.layer_types and self.linear_attention is None:
+                raise ValueError("linear_attention layers need the linear attention shape")
+        la = self.linear_attention
+        if la is not None and la.num_value_heads % la.num_key_heads != 0:
+            raise ValueError(
+                f"linear_num_value_heads ({la.num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({la.num_key_heads})"
+            )
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a KV cache."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers, which keep a state per sequence instead."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == LINEAR_ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_proj_size(self) -> int:
+        """Rows of q_proj: the queries, and as many gate values with an output gate."""
+        return 2 * self.q_size if self.attention_output_gate else self.q_size
 
     @property
     def q_size(self) -> int:
@@ -70,11 +161,17 @@ class ModelConfig:
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
         if arch is None:
             arch = hf.get("model_type", "")
+            arch = _HF_MODEL_TYPES.get(arch, arch)
             if arch not in SUPPORTED_ARCHITECTURES:
                 raise ValueError(
                     f"unsupported model architecture {archs or arch!r}; forklift supports "
                     f"{', '.join(_HF_ARCHITECTURES)}"
                 )
+        if arch == "qwen3_5" and isinstance(hf.get("text_config"), dict):
+            # A vision-language checkpoint: the language model's settings are nested.
+            text = dict(hf["text_config"])
+            text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+            hf = text
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -88,6 +185,11 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
+        hybrid = _hybrid_fields(hf, int(hf["num_hidden_layers"])) if arch == "qwen3_5" else {}
+        if isinstance(rope_params, dict) and arch == "qwen3_5":
+            # Qwen3.5's rope type names its multimodal sections, which text positions ignore.
+            if rope_params.get("rope_type", "default") in ("default", "mrope"):
+                rope_scaling = None
         sliding = None
         if arch == "mistral" or hf.get("use_sliding_window", False):
             sliding = hf.get("sliding_window")
@@ -106,8 +208,35 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_5"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **hybrid,
         )
+
+
+def _hybrid_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3.5's extra settings: where the linear layers sit and their shape."""
+    layer_types = hf.get("layer_types")
+    if not layer_types:
+        interval = int(hf.get("full_attention_interval", 4))
+        layer_types = [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(num_layers)
+        ]
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    return {
+        "layer_types": tuple(layer_types),
+        "linear_attention": LinearAttentionConfig(
+            num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+            num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+            key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+            value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+            conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)),
+        ),
+        "partial_rotary_factor": float(factor),
+        "attention_output_gate": True,
+        "zero_centred_norms": True,
+    }

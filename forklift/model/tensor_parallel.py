@@ -91,6 +91,11 @@ class TensorParallelShard:
 
 def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
     """EngineConfig has already checked that world_size is a positive integer."""
+    if config.is_hybrid and world_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={world_size}: hybrid linear-attention models "
+            f"({config.architecture}) run on one rank; use data-parallel replicas to scale"
+        )
     if world_size > config.num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size={world_size} exceeds the model's {config.num_kv_heads} KV "

@@ -13,10 +13,25 @@ import torch
 from forklift.model.model_config import ModelConfig
 
 
+# Recurrent states accumulate over the whole context, so they stay float32 in any model dtype.
+RECURRENT_STATE_DTYPE = torch.float32
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V, every layer, every KV head: 2 * L * H_kv * d_head * bytes."""
+    """K and V, every full-attention layer, every KV head: 2 * L * H_kv * d_head * bytes."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    return 2 * len(config.attention_layers) * config.num_kv_heads * config.head_dim * element
+
+
+def state_bytes_per_sequence(config: ModelConfig, dtype: torch.dtype) -> int:
+    """A hybrid model's fixed-size state per sequence, over every linear layer: the conv
+    history (model dtype) and the recurrent state (float32). 0 for other models."""
+    shape = config.linear_attention
+    if shape is None:
+        return 0
+    conv = shape.conv_state_elements() * torch.empty((), dtype=dtype).element_size()
+    recurrent = shape.recurrent_state_elements() * RECURRENT_STATE_DTYPE.itemsize
+    return len(config.linear_layers) * (conv + recurrent)
 
 
 def total_device_memory(device: torch.device) -> int:
@@ -74,6 +89,14 @@ class KVCachePlan:
     budget_bytes: int
     # How the budget was derived, for the startup log.
     source: str
+    # Hybrid models: per-sequence state slots taken from the same budget (slot 0, all zeros,
+    # is extra and not counted).
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return (self.num_state_slots + 1) * self.state_bytes_per_slot if self.num_state_slots else 0
 
     @property
     def token_capacity(self) -> int:
@@ -94,7 +117,11 @@ def plan_kv_cache(
     total_memory: int,
     weight_bytes: int,
     activation_peak_bytes: int,
+    max_num_seqs: int = 1,
 ) -> KVCachePlan:
+    """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
+    run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
+    layers (fewer slots then cap how many sequences run at once)."""
     bytes_per_block = kv_bytes_per_token(model_config, dtype) * block_size
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
@@ -106,5 +133,15 @@ def plan_kv_cache(
             f"{weight_bytes / 2**30:.2f} GiB - activation peak "
             f"{activation_peak_bytes / 2**30:.2f} GiB"
         )
-    num_blocks = max(budget // bytes_per_block, 0)
-    return KVCachePlan(int(num_blocks), block_size, bytes_per_block, int(budget), source)
+    per_slot = state_bytes_per_sequence(model_config, dtype)
+    slots = 0
+    if per_slot:
+        slots = max(min(max_num_seqs, (budget // 2) // per_slot - 1), 0)
+    blocks_budget = budget - ((slots + 1) * per_slot if slots else 0)
+    if not model_config.attention_layers:
+        num_blocks = 2  # the null block and one more: the block tables still need a target
+    else:
+        num_blocks = max(blocks_budget // bytes_per_block, 0)
+    return KVCachePlan(
+        int(num_blocks), block_size, bytes_per_block, int(budget), source, slots, per_slot
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,9 +12,11 @@ import torch
 from forklift.engine.scheduler import ScheduledRequest
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
+from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
+from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
@@ -27,7 +29,9 @@ from forklift.model.weight_update import WeightUpdater
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
+from forklift.runner.linear_metadata import build_linear_metadata
 from forklift.runner.memory import (
+    RECURRENT_STATE_DTYPE,
     KVCachePlan,
     measure_peak_bytes,
     module_bytes,
@@ -51,6 +55,9 @@ class StepInputs:
     # Blocks this step reads for the first time since the cache was allocated: zeroed first,
     # since attention reads whole blocks and never-written memory may hold NaNs.
     fresh_blocks: torch.Tensor
+    # Hybrid models: [n, 2] (source, target) state slots to copy before the step (a sample
+    # of n > 1 forks its prompt's state).
+    state_copies: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,8 +101,11 @@ class ModelRunner:
         )
         self.model = self._build_model()
         self._weight_updater = WeightUpdater(self.model)
+        # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
         self.kv_caches: list[KVCache] = []
         self._kv_cache_tensor: torch.Tensor | None = None
+        self._conv_states: torch.Tensor | None = None
+        self._recurrent_states: torch.Tensor | None = None
         self._unwritten_blocks = np.zeros(0, dtype=bool)
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
@@ -131,6 +141,7 @@ class ModelRunner:
             total_memory=self._memory_share(),
             weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),
             activation_peak_bytes=peak,
+            max_num_seqs=max_num_seqs,
         )
 
     def _memory_share(self) -> int:
@@ -164,13 +175,14 @@ class ModelRunner:
         self._tell_workers("_profile_forward", num_tokens, max_num_seqs)
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
-        self._allocate_kv_cache(blocks)
+        self._allocate_kv_cache(blocks, 1)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
         meta, _ = build_attention_metadata(
             np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
         )
+        meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         with torch.inference_mode():
             hidden = self.model(ids, positions, self.kv_caches, meta)
             rows = min(max_num_seqs, num_tokens)
@@ -178,19 +190,22 @@ class ModelRunner:
             logits.sort(dim=-1)
         self._free_kv_cache()
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._tell_workers("allocate_kv_cache", num_blocks)
-        self._allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        self._tell_workers("allocate_kv_cache", num_blocks, num_state_slots)
+        self._allocate_kv_cache(num_blocks, num_state_slots)
         self._warm_up_decode_attention()
 
     def _warm_up_decode_attention(self) -> None:
         """Compile the in-place decode kernel for this model's shapes now rather than in the
         first request; later calls, and later engines in the same process, find it compiled."""
-        kernel = self.model.layers[0].decode_attention
+        cfg = self.model.config
+        if not cfg.attention_layers:
+            return
+        layer = cfg.attention_layers[0]
+        kernel = self.model.layers[layer].decode_attention
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
-        cfg = self.model.config
-        key_cache, value_cache = self.kv_caches[0]
+        key_cache, value_cache = self.kv_caches[layer]
         seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
         # As in a step: index tensors built outside inference mode, queries inside it (dynamo
         # guards on the difference).
@@ -201,12 +216,13 @@ class ModelRunner:
                             device=self.device)  # fmt: skip
             kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> None:
+    def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         # Methods that other ranks mirror call only these unannounced helpers inside.
         cfg = self.model.config  # this rank's KV heads
+        attention = cfg.attention_layers
         # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
         # (layers/decode_attention.py).
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        shape = (len(attention), 2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
         # torch.empty leaves pages untouched until a block is first used; only the null
         # block, which pads every read, must hold zeros (others are zeroed on first use).
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -214,13 +230,35 @@ class ModelRunner:
         self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
         self._unwritten_blocks[0] = False
         self._kv_cache_tensor = cache
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        caches: dict[int, KVCache] = {
+            layer: (cache[i, 0], cache[i, 1]) for i, layer in enumerate(attention)
+        }
+        caches.update(self._allocate_states(num_state_slots))
+        self.kv_caches = [caches[i] for i in range(cfg.num_layers)]
         self._reset_captures()  # captures hold the old cache's addresses
+
+    def _allocate_states(self, num_slots: int) -> dict[int, KVCache]:
+        """Per-sequence state slots of a hybrid model's linear layers (plus the zero slot)."""
+        cfg = self.model.config
+        shape = cfg.linear_attention
+        if shape is None or not cfg.linear_layers:
+            return {}
+        layers, slots = len(cfg.linear_layers), num_slots + 1
+        history = shape.conv_kernel - 1
+        conv = torch.zeros(layers, slots, history, shape.conv_channels, dtype=self.dtype,
+                           device=self.device)  # fmt: skip
+        recurrent = torch.zeros(
+            layers, slots, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
+            dtype=RECURRENT_STATE_DTYPE, device=self.device,
+        )  # fmt: skip
+        self._conv_states, self._recurrent_states = conv, recurrent
+        return {layer: (conv[i], recurrent[i]) for i, layer in enumerate(cfg.linear_layers)}
 
     @property
     def kv_cache_bytes(self) -> int:
-        cache = self._kv_cache_tensor
-        return 0 if cache is None else cache.numel() * cache.element_size()
+        """The KV blocks and, for a hybrid model, its state slots."""
+        tensors = (self._kv_cache_tensor, self._conv_states, self._recurrent_states)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def free_kv_cache(self) -> None:
         self._tell_workers("free_kv_cache")
@@ -229,6 +267,7 @@ class ModelRunner:
     def _free_kv_cache(self) -> None:
         self.kv_caches = []
         self._kv_cache_tensor = None
+        self._conv_states = self._recurrent_states = None
         self._unwritten_blocks = np.zeros(0, dtype=bool)
         self._reset_captures()
 
@@ -275,12 +314,17 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: list[list[int]],
+        state_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
         key = self._capture_key(scheduled)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
-        inputs = self.prepare_inputs(scheduled, block_tables, pad_to=pad_to, kv_width=kv_width)
+        inputs = self.prepare_inputs(
+            scheduled, block_tables, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
+        )
         sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
         logits = self.forward_step(inputs, key)
         if logits is None:
@@ -299,6 +343,8 @@ class ModelRunner:
         with torch.inference_mode():
             if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
                 self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
+            if inputs.state_copies is not None and inputs.state_copies.numel():
+                self._copy_states(inputs.state_copies)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -308,6 +354,20 @@ class ModelRunner:
             if inputs.sample_index.numel() == 0:
                 return None
             return self.model.compute_logits(hidden[inputs.sample_index])
+
+    def _copy_states(self, copies: torch.Tensor) -> None:
+        source, target = copies[:, 0], copies[:, 1]
+        for states in (self._conv_states, self._recurrent_states):
+            if states is not None:
+                states.index_copy_(1, target, states.index_select(1, source))
+
+    def _linear_metadata(
+        self, starts: np.ndarray, query_lens: np.ndarray, slots: np.ndarray
+    ) -> LinearAttentionMetadata | None:
+        shape = self.model.config.linear_attention
+        if shape is None or not self.model.config.linear_layers:
+            return None
+        return build_linear_metadata(starts, query_lens, slots, shape.conv_kernel, self.device)
 
     def _capture_key(self, scheduled: list[ScheduledRequest]) -> CaptureKey | None:
         """The captured shape for a pure-decode step; None runs the step eagerly."""
@@ -331,6 +391,7 @@ class ModelRunner:
         *,
         pad_to: int | None = None,
         kv_width: int = 0,
+        state_copies: Sequence[tuple[int, int]] = (),
     ) -> StepInputs:
         """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
         block (they sample nothing); `kv_width` widens the key tensors to a fixed size."""
@@ -357,6 +418,9 @@ class ModelRunner:
         meta, positions = build_attention_metadata(
             starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
         )
+        slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
+        meta.linear = self._linear_metadata(starts[: len(scheduled)], query_lens[: len(scheduled)], slots)
+        copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         sample_index = (np.cumsum(query_lens) - 1)[sampling]
         return StepInputs(
             input_ids=torch.from_numpy(ids).to(self.device),
@@ -364,6 +428,7 @@ class ModelRunner:
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),
             fresh_blocks=torch.from_numpy(self._take_unwritten(table)).to(self.device),
+            state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
         )
 
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
@@ -385,13 +450,14 @@ def build_model(
     shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
     # Build on the meta device so no time goes into random initialisation, then load.
+    model_class = Qwen3_5ForCausalLM if config.is_hybrid else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, shard)
+        model = model_class(config, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(weights)
     model.pack_weights()
     # Rotary tables stay float32 (they are recomputed here because meta held no values).
     model.rotary = RotaryEmbedding(
-        config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
     ).to(device)
     return model.eval()

@@ -27,6 +27,7 @@ from forklift.model.layers.decode_attention import (
     gathered_decode_attention,
     read_blocks,
 )
+from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 
 
 @dataclass
@@ -54,6 +55,8 @@ class AttentionMetadata:
     # [num_tokens]: cache slot (block_id * block_size + offset) each new token's K/V goes to.
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    # Hybrid models: the state slots and conv windows of their Gated DeltaNet layers.
+    linear: LinearAttentionMetadata | None = None
 
 
 def write_kv(

@@ -110,6 +110,20 @@ def apply_rotary(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def apply_partial_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on the first cos.shape[-1] dims of each head; the rest pass unrotated."""
+    rotary = cos.shape[-1]
+    if rotary == q.shape[-1]:
+        return apply_rotary(q, k, cos, sin)
+    q_rot, k_rot = apply_rotary(q[..., :rotary], k[..., :rotary], cos, sin)
+    return (
+        torch.cat([q_rot, q[..., rotary:]], dim=-1),
+        torch.cat([k_rot, k[..., rotary:]], dim=-1),
+    )
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,121 @@
+"""Qwen3.5: a hybrid stack of Gated DeltaNet (linear attention) and gated full attention.
+
+`layer_types` places the two (by default three linear layers, then one full). Full-attention
+layers read the paged KV cache like the Llama family's, with three differences: q_proj also
+yields an output gate per head (the output is multiplied by its sigmoid), only the first
+`partial_rotary_factor` of each head is rotated, and norms scale by 1 + w. Linear layers keep
+a per-sequence state instead of a cache (layers/gated_deltanet.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
+from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
+from forklift.model.layers.gated_deltanet import GatedDeltaNet
+from forklift.model.layers.linear import Linear
+from forklift.model.layers.norm import ZeroCentredRMSNorm
+from forklift.model.layers.rotary import apply_partial_rotary
+from forklift.model.llama import MLP, LayerRegions, LlamaForCausalLM
+from forklift.model.model_config import FULL_ATTENTION, ModelConfig
+
+if TYPE_CHECKING:
+    from forklift.runner.tp_group import TensorParallelGroup
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(
+            config.hidden_size, config.q_proj_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
+
+
+class HybridDecoderLayer(nn.Module):
+    tp: TensorParallelGroup | None = None  # hybrid models run on one rank
+    decode_attention: DecodeKernel = staticmethod(gathered_decode_attention)
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_full_attention = config.layer_type(index) == FULL_ATTENTION
+        self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(config)
+        else:
+            assert config.linear_attention is not None
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size, config.linear_attention, config.rms_norm_eps
+            )
+        self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        regions: LayerRegions,
+    ) -> torch.Tensor:
+        # `regions` (compiled dense regions) is a Llama-layer notion: hybrid steps run eagerly.
+        x = self.input_layernorm(hidden)
+        if self.is_full_attention:
+            mixed = self._attend(x, rope, cache, meta)
+        else:
+            assert meta.linear is not None
+            conv_pool, state_pool = cache
+            mixed = self.linear_attn(x, conv_pool, state_pool, meta.linear)
+        hidden = hidden + mixed
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        tokens = x.shape[0]
+        query_gate, k, v = attn.qkv_proj(x).split(
+            [2 * attn.q_size, attn.kv_size, attn.kv_size], dim=-1
+        )
+        # q_proj's rows alternate per head: head_dim queries, then head_dim gate values.
+        query_gate = query_gate.view(tokens, attn.num_heads, 2 * attn.head_dim)
+        q, gate = query_gate.split(attn.head_dim, dim=-1)
+        q = attn.q_norm(q)
+        k = attn.k_norm(k.view(tokens, attn.num_kv_heads, attn.head_dim))
+        v = v.view(tokens, attn.num_kv_heads, attn.head_dim)
+        q, k = apply_partial_rotary(q, k, *rope)
+        key_cache, value_cache = cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        out = paged_attention(
+            q.contiguous(), key_cache, value_cache, meta, attn.scale, self.decode_attention
+        )
+        out = out * torch.sigmoid(gate.reshape(tokens, attn.q_size))
+        return attn.o_proj(out)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """The Llama model's embedding, logits and weight handling around hybrid layers."""
+
+    @staticmethod
+    def build_layer(config: ModelConfig, index: int) -> nn.Module:
+        return HybridDecoderLayer(config, index)
+
+    @staticmethod
+    def build_final_norm(config: ModelConfig) -> nn.Module:
+        return ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
