@@ -12,7 +12,6 @@ import torch
 
 from forklift.model.model_config import ModelConfig
 
-
 # Recurrent states accumulate over the whole context, so they stay float32 in any model dtype.
 RECURRENT_STATE_DTYPE = torch.float32
 

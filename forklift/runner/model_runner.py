@@ -16,7 +16,6 @@ from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
-from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
@@ -24,6 +23,7 @@ from forklift.model.quantize import (
     quantize_model,
     requantize,
 )
+from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.weight_update import WeightUpdater
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
@@ -419,7 +419,8 @@ class ModelRunner:
             starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
         )
         slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
-        meta.linear = self._linear_metadata(starts[: len(scheduled)], query_lens[: len(scheduled)], slots)
+        count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
+        meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         sample_index = (np.cumsum(query_lens) - 1)[sampling]
         return StepInputs(

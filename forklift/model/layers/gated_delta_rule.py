@@ -71,14 +71,12 @@ def chunked_gated_delta_rule(
     log_decay = g.cumsum(-1)  # [B, H, N, C]: log gamma_i
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     # pair_decay[i, j] = gamma_i / gamma_j for j <= i, 0 above the diagonal.
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -torch.inf)
-    pair_decay = pair_decay.exp()
+    pair_decay = log_decay[..., :, None] - log_decay[..., None, :]
+    pair_decay = pair_decay.masked_fill(~causal, -torch.inf).exp()
     k_beta = k * beta[..., None]
     # Only the strictly lower triangle is read: the system's diagonal is one.
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    w = torch.linalg.solve_triangular(
-        system, v * beta[..., None], upper=False, unitriangular=True
-    )
+    w = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     y = torch.linalg.solve_triangular(
         system, k_beta * log_decay.exp()[..., None], upper=False, unitriangular=True
     )

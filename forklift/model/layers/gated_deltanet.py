@@ -86,7 +86,9 @@ def delta_rule(
         if group.query_index.shape[1] == 1:
             every = group.token_index.numel() == num_tokens and len(meta.groups) == 1
             index = group.token_index
-            inputs = (q, k, v, g, beta) if every else (t.index_select(0, index) for t in (q, k, v, g, beta))
+            inputs = [q, k, v, g, beta]
+            if not every:
+                inputs = [t.index_select(0, index) for t in inputs]
             result, state = recurrent_gated_delta_step(*inputs, state)
         else:
             padded = [_pad_gather(t, group.query_index) for t in (q, k, v, g, beta)]
