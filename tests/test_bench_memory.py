@@ -127,3 +127,48 @@ def test_bench_memory_writes_markdown_and_chart(quick_report):
     assert "| contiguous (max 12 each) | 36 | 10 | 26 | 72.2% |" in md
     png = (out_dir / "memory.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+# The seed's Qwen3.6-27B shape (the Qwen3.5 family): 64 layers, every fourth full attention.
+SEED_HYBRID_CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+    },
+}
+
+
+def test_kv_calc_reproduces_the_seed_example_from_a_hybrid_model(tmp_path, capsys):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(SEED_HYBRID_CONFIG))
+    args = ["kv-calc", "--model", str(tmp_path), "--tokens", "8192", "--budget-gib", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # Only the 16 full-attention layers hold KV.
+    assert "2 x 16 x 4 x 256 x 8192 x 2" in out
+    assert "536870912" in out
+    # 48 linear layers: conv 3 x (2 x 16 x 128 + 48 x 128) bf16 values, and a float32
+    # 48 x 128 x 128 state each.
+    assert "conv 48 x 30720 x 2" in out
+    assert "recurrent 48 x 786432 x 4" in out
+    assert f"{48 * (30720 * 2 + 786432 * 4):,} bytes" in out
+    # 8 GiB: 16 requests of 8,192 tokens by KV alone; with the 147 MiB state each, 12.
+    assert "16 at once" in out
+    assert "with each request's linear-layer state: 12 requests at once" in out

@@ -110,3 +110,61 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
         for step, tok in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+# Tiny Qwen3.5 hybrids: Gated DeltaNet layers beside gated full attention.
+_HYBRID_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.25,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+HYBRID_VARIANTS = {
+    # The released layout (three linear, one full), GQA in both kinds of layer.
+    "interval": dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    ),
+    # Full attention first, odd head counts, half the head rotated, tied embeddings.
+    "odd-heads": dict(
+        num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=3, num_key_value_heads=1, head_dim=20,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=6,
+        linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+    ),
+    # Linear layers on both sides of a full one, no grouping in the linear layers.
+    "sandwich": dict(
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0) -> TinyModel:
+    config = transformers.Qwen3_5TextConfig(**{**_HYBRID_COMMON, **HYBRID_VARIANTS[variant]})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # HF starts norms at their identity (and dt_bias at one); perturb them so the
+            # zero-centred and gated norms and the decay are exercised.
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+            elif name.endswith("dt_bias"):
+                param.normal_(0, 1.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    model.generation_config.eos_token_id = None
+    word_level_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+    return TinyModel(directory, model)

@@ -16,11 +16,36 @@ DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 
 @dataclass(frozen=True)
 class KVShape:
-    """The three numbers of a model that set its KV bytes per token."""
+    """The three numbers of a model that set its KV bytes per token (`num_layers` counts
+    only full-attention layers: a hybrid model's linear layers keep no KV)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class LinearStateShape:
+    """A hybrid model's linear layers: a fixed-size state per sequence, whatever its length."""
+
+    num_layers: int
+    conv_elements: int  # per layer, in the model's dtype
+    recurrent_elements: int  # per layer, float32
+
+    def bytes_per_sequence(self, element: int) -> int:
+        return self.num_layers * (self.conv_elements * element + self.recurrent_elements * 4)
+
+    def lines(self, dtype: str) -> list[str]:
+        element = dtype_bytes(dtype)
+        conv = self.num_layers * self.conv_elements * element
+        recurrent = self.num_layers * self.recurrent_elements * 4
+        return [
+            f"linear-attention state per sequence ({self.num_layers} linear layers, any length):",
+            f"  conv {self.num_layers} x {self.conv_elements} x {element} ({dtype}) = {conv:,} "
+            f"bytes; recurrent {self.num_layers} x {self.recurrent_elements} x 4 (float32) = "
+            f"{recurrent:,} bytes",
+            f"  = {format_bytes(conv + recurrent)}",
+        ]
 
 
 @dataclass(frozen=True)
@@ -149,20 +174,29 @@ def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:
     _check_args(args)
-    shape, source = _shape_from_args(args)
+    shape, state, source = _shape_from_args(args)
     print(source)
     for line in formula_lines(shape, args.tokens, args.dtype):
         print(line)
+    if state is not None:
+        for line in state.lines(args.dtype):
+            print(line)
     budget = _budget_bytes(args)
     if budget is not None:
         per_token = kv_cache_bytes(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, dtype_bytes(args.dtype)
         )
         request_len = args.request_len if args.request_len is not None else args.tokens
-        for line in breakdown_lines(
-            budget_breakdown(budget, per_token, args.block_size, request_len)
-        ):
+        breakdown = budget_breakdown(budget, per_token, args.block_size, request_len)
+        for line in breakdown_lines(breakdown):
             print(line)
+        if state is not None:
+            per_request = breakdown.blocks_per_request * breakdown.bytes_per_block
+            per_request += state.bytes_per_sequence(dtype_bytes(args.dtype))
+            print(
+                f"  with each request's linear-layer state: {budget // per_request:,} "
+                f"requests at once"
+            )
     return 0
 
 
@@ -182,21 +216,31 @@ def _check_args(args: argparse.Namespace) -> None:
             require_positive(flag, value)
 
 
-def _shape_from_args(args: argparse.Namespace) -> tuple[KVShape, str]:
+def _shape_from_args(
+    args: argparse.Namespace,
+) -> tuple[KVShape, LinearStateShape | None, str]:
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if None not in explicit:
-        return KVShape(*explicit), "shape: given on the command line"
+        return KVShape(*explicit), None, "shape: given on the command line"
     # Imported here: reading a model pulls in its loaders, which explicit shapes never need.
     from forklift.model.model_source import load_model_config, resolve_model
 
     source = resolve_model(args.model)
     config = load_model_config(source)
     shape = KVShape(
-        args.layers or config.num_layers,
+        args.layers or len(config.attention_layers),
         args.kv_heads or config.num_kv_heads,
         args.head_dim or config.head_dim,
     )
-    return shape, f"model: {source.path.name} ({config.architecture})"
+    linear = config.linear_attention
+    state = None
+    if linear is not None and config.linear_layers:
+        state = LinearStateShape(
+            len(config.linear_layers),
+            linear.conv_state_elements(),
+            linear.recurrent_state_elements(),
+        )
+    return shape, state, f"model: {source.path.name} ({config.architecture})"
 
 
 def _budget_bytes(args: argparse.Namespace) -> int | None:

@@ -1,0 +1,208 @@
+"""Qwen3.5 hybrid models (Gated DeltaNet + gated full attention) against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import HYBRID_VARIANTS, VOCAB, hf_greedy, make_tiny_hybrid
+
+from forklift import LLM, SamplingParams
+
+NEW_TOKENS = 16
+PROMPT_LENGTHS = [1, 3, 7, 12, 20, 33, 50, 70]
+
+
+def _prompts(seed: int, lengths: list[int] = PROMPT_LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def _llm(path, **overrides) -> LLM:
+    kwargs = dict(
+        model=str(path),
+        dtype="float32",
+        max_model_len=256,
+        block_size=4,
+        kv_cache_memory_bytes=2**21,
+        max_num_batched_tokens=32,  # prompts longer than this are prefilled in chunks
+    )
+    return LLM(**{**kwargs, **overrides})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _assert_matches_hf(hf_model, prompts, outputs) -> None:
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logprobs = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens, f"prompt of {len(prompt)} tokens"
+        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+        assert got == pytest.approx(logprobs, abs=1e-3)
+
+
+def _assert_nothing_held(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert engine.num_free_blocks == engine.num_usable_blocks
+    assert engine.state_pool is not None
+    assert engine.state_pool.num_free == engine.state_pool.num_slots
+
+
+@pytest.fixture(scope="module")
+def interval_model(tmp_path_factory):
+    return make_tiny_hybrid("interval", tmp_path_factory.mktemp("hybrid-interval"))
+
+
+@pytest.mark.parametrize("variant", list(HYBRID_VARIANTS))
+def test_greedy_batch_matches_transformers_under_chunked_prefill(variant, tmp_path):
+    tiny = make_tiny_hybrid(variant, tmp_path)
+    prompts = _prompts(len(variant))
+    llm = _llm(tmp_path)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _assert_matches_hf(tiny.hf_model, prompts, outputs)
+    _assert_nothing_held(llm)
+
+
+def test_one_chunk_and_many_chunks_agree(interval_model):
+    prompts = _prompts(1, [70, 45])
+    whole = _llm(interval_model.path, max_num_batched_tokens=256).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
+    chunked = _llm(interval_model.path, max_num_batched_tokens=8).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = [a.outputs[0].logprobs[i][t].logprob for i, t in enumerate(a.outputs[0].token_ids)]
+        lp_b = [b.outputs[0].logprobs[i][t].logprob for i, t in enumerate(b.outputs[0].token_ids)]
+        assert lp_a == pytest.approx(lp_b, abs=1e-4)
+
+
+def test_preemption_drops_the_state_and_recomputes(interval_model):
+    prompts = _prompts(2, [30, 28, 26, 24, 22, 20])
+    # 1 KiB of KV per block of 4 tokens and 7.3 KiB of state per sequence: this budget holds
+    # 6 state slots and 55 blocks, but six sequences growing to 46 tokens need 72 blocks, so
+    # the newest are preempted and recomputed.
+    llm = _llm(interval_model.path, kv_cache_memory_bytes=110_000, max_model_len=128)
+    engine = llm.llm_engine
+    assert engine.state_pool.num_slots == 6
+    assert engine.num_usable_blocks < 72
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    _assert_matches_hf(interval_model.hf_model, prompts, outputs)
+    _assert_nothing_held(llm)
+
+
+def test_samples_fork_the_prompt_state(interval_model):
+    prompt = _prompts(3, [23])[0]
+    llm = _llm(interval_model.path)
+    greedy_n = SamplingParams(n=4, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    (out,) = llm.generate([prompt], greedy_n, use_tqdm=False)
+    expected, _ = hf_greedy(interval_model.hf_model, prompt, NEW_TOKENS)
+    assert [c.token_ids for c in out.outputs] == [expected] * 4
+    # 23 tokens in blocks of 4: the leader's first chunk stops at the 20 tokens the samples
+    # share; then each of the four computes only the last 3 from its copy of that state.
+    steps = [s.num_batched_tokens for s in llm.llm_engine.step_log]
+    assert steps[:2] == [20, 4 * 3], steps
+    _assert_nothing_held(llm)
+
+
+def test_seeded_samples_are_the_same_alone_and_in_a_batch(interval_model):
+    prompt = _prompts(4, [41])[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = _llm(interval_model.path)
+    (alone,) = llm.generate([prompt], params, use_tqdm=False)
+    others = _prompts(5, [9, 33, 17])
+    batch = llm.generate(
+        [others[0], prompt, others[1], others[2]],
+        [GREEDY, params, GREEDY, GREEDY],
+        use_tqdm=False,
+    )
+    assert [c.token_ids for c in batch[1].outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1  # they do sample
+    _assert_matches_hf(interval_model.hf_model, [others[0]], [batch[0]])
+    _assert_nothing_held(llm)
+
+
+def test_prefix_caching_is_off_with_the_same_output(interval_model, caplog):
+    prompts = _prompts(6, [40, 40])
+    prompts[1] = prompts[0][:36] + prompts[1][36:]  # a shared prefix of nine blocks
+    with caplog.at_level("INFO", logger="forklift"):
+        llm = _llm(interval_model.path, enable_prefix_caching=True)
+    assert "prefix caching is off for this hybrid model" in caplog.text
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert llm.llm_engine.prefix_cache_stats().enabled is False
+    _assert_matches_hf(interval_model.hf_model, prompts, again)
+
+
+def test_aborts_give_back_blocks_and_state_slots(interval_model):
+    llm = _llm(interval_model.path)
+    engine = llm.llm_engine
+    params = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(7, [30, 5, 60, 13])):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(6):
+        engine.step()
+    assert engine.state_pool.num_free < engine.state_pool.num_slots
+    engine.abort_request([f"r{i}" for i in range(4)])
+    assert not engine.has_unfinished_requests()
+    _assert_nothing_held(llm)
+
+
+def test_update_weights_and_sleep_keep_parity(tmp_path):
+    first = make_tiny_hybrid("sandwich", tmp_path / "a", seed=0)
+    second = make_tiny_hybrid("sandwich", tmp_path / "b", seed=1)
+    prompts = _prompts(8, [5, 27])
+    llm = _llm(first.path)
+    llm.update_weights(list(second.hf_model.state_dict().items()))
+    _assert_matches_hf(second.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    llm.sleep(level=2)
+    llm.wake_up()  # reloads the weights from disk: the first model again
+    _assert_matches_hf(first.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_an_update_with_a_wrong_shape_is_refused(interval_model):
+    llm = _llm(interval_model.path)
+    with pytest.raises(ValueError, match="in_proj_z"):
+        llm.update_weights([("model.layers.0.linear_attn.in_proj_z.weight", torch.zeros(3, 64))])
+
+
+def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_path):
+    """A Qwen3_5ForConditionalGeneration directory: nested text_config, prefixed names."""
+    config = json.loads((interval_model.path / "config.json").read_text())
+    config.pop("architectures")
+    wrapped = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": config["tie_word_embeddings"],
+        "text_config": config,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    tensors = load_file(interval_model.path / "model.safetensors")
+    renamed = {
+        (n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n): t
+        for n, t in tensors.items()
+    }
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    save_file(renamed, tmp_path / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((interval_model.path / name).read_bytes())
+    prompts = _prompts(9, [11])
+    outputs = _llm(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
+    _assert_matches_hf(interval_model.hf_model, prompts, outputs)
+
+
+def test_tensor_parallel_is_refused_with_a_clear_error(interval_model):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        _llm(interval_model.path, tensor_parallel_size=2)
+
+
+def test_a_budget_without_room_for_a_state_is_refused(interval_model):
+    with pytest.raises(ValueError, match="state slot"):
+        _llm(interval_model.path, kv_cache_memory_bytes=4096)
