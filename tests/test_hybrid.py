@@ -173,7 +173,7 @@ def test_an_update_with_a_wrong_shape_is_refused(interval_model):
         llm.update_weights([("model.layers.0.linear_attn.in_proj_z.weight", torch.zeros(3, 64))])
 
 
-def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_path):
+def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_path, caplog):
     """A Qwen3_5ForConditionalGeneration directory: nested text_config, prefixed names."""
     config = json.loads((interval_model.path / "config.json").read_text())
     config.pop("architectures")
@@ -194,7 +194,10 @@ def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((interval_model.path / name).read_bytes())
     prompts = _prompts(9, [11])
-    outputs = _llm(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
+    with caplog.at_level("INFO", logger="forklift"):
+        llm = _llm(tmp_path)
+    assert "ignored 1 checkpoint tensors" in caplog.text
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _assert_matches_hf(interval_model.hf_model, prompts, outputs)
 
 

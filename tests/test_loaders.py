@@ -206,6 +206,17 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
         gguf_model_config(open_gguf(tmp_path / "m.gguf"))
 
 
+def test_gguf_of_the_hybrid_family_points_to_the_hf_directory(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen35")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="qwen35.*safetensors directory"):
+        gguf_model_config(open_gguf(tmp_path / "m.gguf"))
+
+
 def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
     # An integer tensor: a type gguf.quants cannot dequantize.
     writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")

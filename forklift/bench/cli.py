@@ -29,6 +29,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_scale(bench_sub)
     _add_startup(bench_sub)
     _add_soak(bench_sub)
+    _add_hybrid(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -361,3 +362,41 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
     return 0 if report["errors"] == 0 and report["final_kv_usage"] == 0 else 1
+
+
+def _add_hybrid(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "hybrid", help="a Qwen3.5 hybrid vs its all-attention twin: prefill and decode"
+    )
+    parser.add_argument("--dtypes", default=None, help="comma-separated: float32,bfloat16")
+    parser.add_argument("--contexts", default=None, help="comma-separated prompt lengths")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="toy models, seconds")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_hybrid)
+
+
+def _cmd_hybrid(args: argparse.Namespace) -> int:
+    from forklift.bench.hybrid import (
+        HybridSettings,
+        render_markdown,
+        run_hybrid_bench,
+        write_report,
+    )
+
+    overrides: dict[str, Any] = {}
+    if args.dtypes is not None:
+        overrides["dtypes"] = tuple(args.dtypes.split(","))
+    if args.contexts is not None:
+        overrides["contexts"] = positive_ints(args.contexts, "--contexts")
+    if args.batch_sizes is not None:
+        overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
+    settings = (HybridSettings.quick if args.quick else HybridSettings)(**overrides)
+    report = run_hybrid_bench(settings)
+    command = ["forklift", "bench", "hybrid"] + (["--quick"] if args.quick else [])
+    for flag, value in (("--dtypes", args.dtypes), ("--contexts", args.contexts),
+                        ("--batch-sizes", args.batch_sizes)):  # fmt: skip
+        command += [flag, value] if value else []
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    return 0

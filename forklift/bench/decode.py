@@ -27,6 +27,7 @@ from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
 from forklift.model.model_config import ModelConfig
+from forklift.runner.memory import kv_bytes_per_token, state_bytes_per_sequence
 from forklift.sampling_params import SamplingParams
 
 
@@ -75,10 +76,15 @@ class DecodeSettings:
 def linear_weights(config: ModelConfig) -> int:
     """Weights that every decoded token multiplies: all projections plus the LM head."""
     hidden, inter = config.hidden_size, config.intermediate_size
-    per_layer = hidden * (config.q_size + 2 * config.kv_size)  # fused qkv
-    per_layer += config.q_size * hidden  # o_proj
-    per_layer += hidden * 2 * inter + inter * hidden  # gate_up, down
-    return config.num_layers * per_layer + config.vocab_size * hidden
+    attention = hidden * (config.q_proj_size + 2 * config.kv_size)  # fused qkv
+    attention += config.q_size * hidden  # o_proj
+    mlp = hidden * 2 * inter + inter * hidden  # gate_up, down
+    total = len(config.attention_layers) * attention + config.num_layers * mlp
+    shape = config.linear_attention
+    if shape is not None:  # fused q/k/v, z, b, a in; out
+        linear = hidden * (shape.conv_channels + shape.value_size + 2 * shape.num_value_heads)
+        total += len(config.linear_layers) * (linear + shape.value_size * hidden)
+    return total + config.vocab_size * hidden
 
 
 def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -115,13 +121,14 @@ def weight_bytes_per_step(llm: LLM, batch: int) -> int:
 
 
 def kv_bytes_per_step(llm: LLM, batch: int, context: int) -> int:
-    """Bytes of K and V a decode step reads: whole blocks of every sequence, every layer."""
+    """Bytes of K and V a decode step reads (whole blocks of every sequence, every
+    full-attention layer), plus a hybrid model's linear-layer state of each sequence."""
     engine = llm.llm_engine
     config = engine.model_config
     block = engine.config.block_size
     positions = -(-context // block) * block
-    per_token = 2 * config.num_layers * config.kv_size * engine.dtype.itemsize
-    return batch * positions * per_token
+    per_token = kv_bytes_per_token(config, engine.dtype)
+    return batch * (positions * per_token + state_bytes_per_sequence(config, engine.dtype))
 
 
 def _dense_bytes(tensor: torch.Tensor) -> int:

@@ -141,6 +141,13 @@ def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
 def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     """Build a `ModelConfig` from a GGUF file's metadata and tensor inventory."""
     arch = _required(reader, "general.architecture")
+    if arch in ("qwen35", "qwen3next"):
+        # The hybrid family runs from HF directories; its GGUF layout (fused, renamed and
+        # re-signed linear-attention tensors) is not mapped yet.
+        raise ValueError(
+            f"GGUF files of the hybrid {arch!r} architecture are not supported yet; serve the "
+            "model's Hugging Face safetensors directory instead"
+        )
     if arch not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; forklift supports llama, mistral, "

@@ -7,6 +7,7 @@ projections are fused into single matmuls.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from forklift.model.tensor_parallel import TensorParallelShard
 
 if TYPE_CHECKING:
     from forklift.runner.tp_group import TensorParallelGroup
+
+logger = logging.getLogger("forklift")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -259,8 +262,10 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        unused = 0
         for hf_name, tensor in weights:
             slot = weight_slot(hf_name, self.config)
+            unused += hf_name.startswith(_UNUSED_PREFIXES)
             hf_name = canonical_hf_name(hf_name)
             if slot is None:
                 continue
@@ -276,6 +281,12 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(slot.key)
+        if unused:
+            logger.info(
+                "ignored %d checkpoint tensors of parts forklift does not run (vision tower, "
+                "multi-token prediction)",
+                unused,
+            )
         self._check_complete(loaded)
 
     def _check_complete(self, loaded: set[str]) -> None:
