@@ -32,6 +32,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument(
+        "--decode-step-prefill-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens a step prefills while others decode (default auto; 0: no bound)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of earlier requests with the same prefix (default on)",
+    )
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
@@ -58,6 +70,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_step_prefill_tokens=args.decode_step_prefill_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.num_threads,

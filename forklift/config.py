@@ -12,6 +12,10 @@ import torch
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 
+# decode_step_prefill_tokens when left to auto; chosen with `forklift bench serve` at the
+# seed's serving shape (docs/serving.md, "Prefill while streams decode").
+DEFAULT_DECODE_STEP_PREFILL_TOKENS = 256
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -52,6 +56,11 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # Exact KV-cache size in bytes; overrides gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    # Most prompt tokens a step may prefill while running requests decode (all its prefill
+    # chunks together): a new prompt then joins over several steps instead of stalling every
+    # stream for one long step. None = auto (DEFAULT_DECODE_STEP_PREFILL_TOKENS); 0 = no
+    # bound beyond max_num_batched_tokens. Steps without decodes prefill at the full budget.
+    decode_step_prefill_tokens: int | None = None
     # Reuse the KV blocks of earlier requests that share a token prefix.
     enable_prefix_caching: bool = True
     # Seed for requests that bring none of their own.
@@ -112,6 +121,15 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, optional=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        if self.decode_step_prefill_tokens is not None and (
+            isinstance(self.decode_step_prefill_tokens, bool)
+            or not isinstance(self.decode_step_prefill_tokens, int)
+            or self.decode_step_prefill_tokens < 0
+        ):
+            raise ValueError(
+                "decode_step_prefill_tokens must be None (auto), 0 (no bound) or a positive "
+                f"integer; got {self.decode_step_prefill_tokens!r}"
+            )
         _positive("num_threads", self.num_threads, optional=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         for limit in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars",
@@ -155,6 +173,13 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
         return 0.9 if device.type == "cuda" else 0.5
+
+    def resolve_decode_step_prefill_tokens(self) -> int | None:
+        """The scheduler's bound (None: unbounded)."""
+        wanted = self.decode_step_prefill_tokens
+        if wanted is None:
+            return DEFAULT_DECODE_STEP_PREFILL_TOKENS
+        return wanted or None
 
     def resolve_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

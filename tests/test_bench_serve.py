@@ -7,6 +7,7 @@ import json
 import pytest
 
 from forklift.bench.serve import ServeSettings
+from forklift.bench.server_process import forklift_server, llama_server_process
 from forklift.bench.synthetic_prompt import synthetic_prompt
 from forklift.cli import main
 from forklift.tokenizer import load_tokenizer
@@ -30,12 +31,27 @@ def test_requests_per_level_follow_the_rule():
         ServeSettings(endpoint="embeddings").validate()
 
 
-def test_quick_serve_sweep_against_a_started_server(tmp_path):
-    assert main(["bench", "serve", "--quick", "--out-dir", str(tmp_path)]) == 0
+def test_quick_serve_sweep_against_a_started_server_and_a_peer(tmp_path):
+    # The peer is a second forklift server: any OpenAI-compatible server will do.
+    with forklift_server(["--max-model-len", "512"]) as peer_url:
+        args = ["bench", "serve", "--quick", "--peer-url", peer_url, "--out-dir", str(tmp_path)]
+        assert main(args) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
-    assert (tmp_path / "serve.md").read_text().startswith("# Serving sweep")
+    markdown = (tmp_path / "serve.md").read_text()
+    assert markdown.startswith("# Serving sweep")
+    assert "## Side by side: forklift vs peer" in markdown
     assert (tmp_path / "serve.png").stat().st_size > 0
-    assert report["command"] == "forklift bench serve --quick"
+    assert report["command"] == f"forklift bench serve --quick --peer-url {peer_url}"
+    peer_levels = report["peer"]["levels"]
+    assert [lv["completed"] for lv in peer_levels] == report["workload"]["requests_per_level"]
+    for level, theirs, ratio in zip(report["levels"], peer_levels, report["ratios"], strict=True):
+        assert ratio["concurrency"] == level["concurrency"] == theirs["concurrency"]
+        assert ratio["output_tokens_per_s"] == pytest.approx(
+            level["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+        )
+        # The started server's CPU time was sampled; the event loop is a part of it.
+        assert 0 <= level["event_loop_cpu_s"] < level["server_cpu_s"]
+        assert theirs["server_cpu_s"] is None  # a peer's process is not ours to watch
     work = report["workload"]
     levels = report["levels"]
     assert [lv["concurrency"] for lv in levels] == work["concurrencies"]
@@ -55,3 +71,34 @@ def test_quick_serve_sweep_against_a_started_server(tmp_path):
         assert level["scaling"] == pytest.approx(
             level["output_tokens_per_s"] / levels[0]["output_tokens_per_s"]
         )
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+import http.server, json, os, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open(os.path.join(os.path.dirname(sys.argv[0]), f"{{port}}.args"), "w") as out:
+    out.write(json.dumps(sys.argv[1:]))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{{}}")
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_llama_server_is_started_with_the_fair_settings(tmp_path, default_source):
+    import sys
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    with llama_server_process(str(binary), default_source.path, threads=2) as (url, pid):
+        assert url.startswith("http://127.0.0.1:") and pid > 0
+        port = url.rsplit(":", 1)[1]
+    args = json.loads((tmp_path / f"{port}.args").read_text())
+    flag = {args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith("-")}
+    assert flag["-m"] == str(default_source.path)
+    assert (flag["-t"], flag["-tb"], flag["-np"], flag["-c"]) == ("2", "2", "8", "8192")
+    assert (flag["--cache-ram"], flag["-fa"]) == ("0", "off")
+    assert "--no-webui" in args

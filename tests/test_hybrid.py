@@ -209,3 +209,33 @@ def test_tensor_parallel_is_refused_with_a_clear_error(interval_model):
 def test_a_budget_without_room_for_a_state_is_refused(interval_model):
     with pytest.raises(ValueError, match="state slot"):
         _llm(interval_model.path, kv_cache_memory_bytes=4096)
+
+
+def test_the_server_streams_a_hybrid_model(interval_model):
+    import openai
+    from server_harness import running_server, wait_until_idle
+
+    from forklift.config import EngineConfig
+    from forklift.engine.engine import LLMEngine
+    from forklift.server.app import build_app
+
+    engine = LLMEngine(
+        EngineConfig(model=str(interval_model.path), dtype="float32", max_model_len=256,
+                     kv_cache_memory_bytes=2**21, max_num_batched_tokens=32)
+    )  # fmt: skip
+    prompt = _prompts(10, [37])[0]
+    expected, _ = hf_greedy(interval_model.hf_model, prompt, NEW_TOKENS)
+    with running_server(build_app(engine, "hybrid")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model="hybrid", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, n=2,
+            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        texts = ["", ""]
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        wait_until_idle(engine)
+    expected_text = " ".join(f"w{t}" for t in expected)
+    assert [t.split() for t in texts] == [expected_text.split()] * 2
+    assert engine.state_pool.num_free == engine.state_pool.num_slots

@@ -173,3 +173,23 @@ def test_update_skips_requests_aborted_during_the_step():
     sched.finish(request, FinishReason.ABORT)
     sched.update(out, [5])
     assert request.output_token_ids == []
+
+
+def test_prefill_is_bounded_only_while_streams_decode():
+    kv = KVCacheManager(num_blocks=128, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, decode_step_prefill_tokens=8)
+    sched.add_request(make_request("a", 30))
+    out, _ = run_step(sched)
+    # Nothing decodes yet: the prompt takes the whole budget's worth.
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 30)]
+    sched.add_request(make_request("b", 20))
+    sched.add_request(make_request("c", 5))
+    steps = [[(s.request.request_id, s.num_new_tokens) for s in run_step(sched)[0].scheduled]
+             for _ in range(4)]  # fmt: skip
+    # "a" decodes every step; "b" and "c" share 8 prompt tokens per step among them.
+    assert steps == [
+        [("a", 1), ("b", 8)],
+        [("a", 1), ("b", 8)],
+        [("a", 1), ("b", 4), ("c", 4)],
+        [("a", 1), ("b", 1), ("c", 1)],
+    ]

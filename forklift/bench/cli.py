@@ -124,6 +124,12 @@ def _add_serve(bench_sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra `forklift serve` argument"
     )
+    peer = parser.add_mutually_exclusive_group()
+    peer.add_argument("--peer-url", default=None, help="another server to load the same way")
+    peer.add_argument(
+        "--llama-server", default=None, help="llama.cpp's llama-server: started on the same GGUF"
+    )
+    parser.add_argument("--peer-threads", type=int, default=None, help="llama-server -t / -tb")
     parser.add_argument("--name", default="serve", help="report file name stem")
     parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
     parser.add_argument("--out-dir", default="benchmarks")
@@ -140,6 +146,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "endpoint": args.endpoint,
         "api_key": args.api_key,
         "server_args": args.server_arg,
+        "peer_url": args.peer_url,
+        "llama_server": args.llama_server,
+        "peer_threads": args.peer_threads,
     }
     optional = {
         "input_tokens": args.input_tokens,
@@ -154,7 +163,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     report = run_serve_bench(settings)
     report["command"] = _serve_command(args)
     announce(write_report(report, Path(args.out_dir), args.name), render_markdown(report))
-    failed = sum(len(level["errors"]) for level in report["levels"])
+    levels = report["levels"] + report.get("peer", {}).get("levels", [])
+    failed = sum(len(level["errors"]) for level in levels)
     return 1 if failed else 0
 
 
@@ -170,10 +180,14 @@ def _serve_command(args: argparse.Namespace) -> str:
         "--concurrency": args.concurrency,
         "--min-requests": args.min_requests,
         "--requests-per-concurrency": args.requests_per_concurrency,
+        "--peer-url": args.peer_url,
+        "--peer-threads": args.peer_threads,
     }
     for flag, value in flags.items():
         command += [flag, str(value)] if value is not None else []
     command += ["--endpoint", args.endpoint] if args.endpoint != "completions" else []
+    # The binary's path is this machine's; the report names the program only.
+    command += ["--llama-server", "llama-server"] if args.llama_server else []
     for server_arg in args.server_arg:
         command.append(f"--server-arg={server_arg}")
     return shlex.join(command)

@@ -4,6 +4,12 @@ Each concurrency level sends its requests through a semaphore of that size, so e
 `concurrency` requests are in flight until the queue drains. Prompts are synthetic text of
 an exact token count, unique per request, and every request asks for a fixed number of
 output tokens with `ignore_eos`, like the seed's serving table.
+
+With a peer (`peer_url`, any OpenAI-compatible server, or `llama_server`, llama.cpp's server
+started on the same GGUF file with fair settings) the same sweep, the same prompts in the same
+order, runs against it after forklift, one server at a time, and the report gives the ratio
+per concurrency. When the benchmark starts forklift itself, it also samples the server's CPU
+time per level: the event-loop thread (HTTP, JSON, SSE) apart from everything else.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from forklift.bench.report import write_report_files
-from forklift.bench.server_process import forklift_server
+from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.server_process import forklift_server_process, llama_server_process
 from forklift.bench.stream_client import RequestTiming, request_body, stream_request
 from forklift.bench.synthetic_prompt import synthetic_prompt
 from forklift.model.model_source import resolve_model
@@ -41,6 +47,9 @@ class ServeSettings:
     warmup_requests: int = 2
     api_key: str | None = None
     server_args: list[str] = field(default_factory=list)
+    peer_url: str | None = None  # another OpenAI-compatible server, loaded the same way
+    llama_server: str | None = None  # llama.cpp's llama-server binary, started on the GGUF
+    peer_threads: int | None = None  # llama-server -t / -tb (default: torch's thread count)
 
     @classmethod
     def quick(cls, **overrides: Any) -> ServeSettings:
@@ -58,6 +67,8 @@ class ServeSettings:
             raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
         if self.output_tokens < 1:
             raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
+        if self.peer_url and self.llama_server:
+            raise ValueError("give a peer URL or a llama-server binary, not both")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -79,10 +90,14 @@ class LevelResult:
     tpot_ms_mean: float
     e2e_s_p50: float
     e2e_s_p99: float
+    itl_ms_max: float
     prompt_tokens: list[int]
     per_request_output_tokens: list[int]
     errors: list[str]
     scaling: float = 0.0  # output tok/s relative to the lowest concurrency level
+    # forklift started by the benchmark: CPU seconds of its process during the level.
+    server_cpu_s: float | None = None
+    event_loop_cpu_s: float | None = None
 
     @classmethod
     def of(cls, concurrency: int, wall_s: float, timings: list[RequestTiming]) -> LevelResult:
@@ -103,6 +118,7 @@ class LevelResult:
             tpot_ms_mean=1000 * float(np.mean([t.tpot_s for t in done])) if done else 0.0,
             e2e_s_p50=_percentile([t.e2e_s for t in done], 50),
             e2e_s_p99=_percentile([t.e2e_s for t in done], 99),
+            itl_ms_max=1000 * max(itls, default=0.0),
             prompt_tokens=sorted({t.prompt_tokens for t in done}),
             per_request_output_tokens=[t.output_tokens for t in done],
             errors=[t.error for t in timings if not t.ok],
@@ -120,19 +136,18 @@ def run_serve_bench(settings: ServeSettings) -> dict[str, Any]:
         server_args = (["--model", settings.model] if settings.model else []) + list(
             settings.server_args
         )
-        server = forklift_server(server_args)
+        server: Any = forklift_server_process(server_args)
     else:
-        server = nullcontext(settings.base_url.rstrip("/").removesuffix("/v1"))
-    with server as base_url:
-        levels, served_model = asyncio.run(_sweep(settings, base_url, tokenizer))
-    base = levels[0].output_tokens_per_s
-    for level in levels:
-        level.scaling = level.output_tokens_per_s / base if base > 0 else 0.0
-    return {
+        server = nullcontext((settings.base_url.rstrip("/").removesuffix("/v1"), None))
+    with server as (base_url, pid):
+        levels, served_model = asyncio.run(_sweep(settings, base_url, tokenizer, {}, pid))
+    _scale(levels)
+    report: dict[str, Any] = {
         "benchmark": "serve",
         "target": settings.base_url or "forklift serve (started by the benchmark)",
         "served_model": served_model,
         "tokenizer": source.path.name,
+        "cpu_flags": cpu_flags(),
         "workload": {
             "endpoint": settings.endpoint,
             "input_tokens": settings.input_tokens,
@@ -144,10 +159,74 @@ def run_serve_bench(settings: ServeSettings) -> dict[str, Any]:
         },
         "levels": [asdict(level) for level in levels],
     }
+    peer = _run_peer(settings, source, tokenizer)
+    if peer is not None:
+        report["peer"] = peer
+        report["ratios"] = ratios(levels, [LevelResult(**lv) for lv in peer["levels"]])
+    return report
+
+
+def _scale(levels: list[LevelResult]) -> None:
+    base = levels[0].output_tokens_per_s
+    for level in levels:
+        level.scaling = level.output_tokens_per_s / base if base > 0 else 0.0
+
+
+def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dict[str, Any] | None:
+    if settings.peer_url:
+        name, server = "peer", nullcontext(settings.peer_url.rstrip("/").removesuffix("/v1"))
+        extra: dict[str, Any] = {}
+    elif settings.llama_server:
+        if source.format != "gguf":
+            raise ValueError("--llama-server needs a GGUF model: it serves the same file")
+        import torch
+
+        threads = settings.peer_threads or torch.get_num_threads()
+        name, server = "llama-server", llama_server_process(settings.llama_server, source.path,
+                                                           threads)  # fmt: skip
+        extra = {"cache_prompt": False}  # its prompt cache would answer from memory
+    else:
+        return None
+    with server as base_url:
+        levels, served_model = asyncio.run(_sweep(settings, base_url, tokenizer, extra, None))
+    _scale(levels)
+    return {
+        "name": name,
+        "target": settings.peer_url or "llama-server (started by the benchmark)",
+        "served_model": served_model,
+        "levels": [asdict(level) for level in levels],
+    }
+
+
+def ratios(ours: list[LevelResult], peer: list[LevelResult]) -> list[dict[str, float]]:
+    """Per concurrency: forklift over the peer for throughput, the peer over forklift for
+    latencies, so above 1 always means forklift is better."""
+    by_level = {lv.concurrency: lv for lv in peer}
+
+    def inverse(theirs: float, mine: float) -> float:
+        return theirs / mine if mine > 0 else 0.0
+
+    rows = []
+    for lv in ours:
+        other = by_level.get(lv.concurrency)
+        if other is None:
+            continue
+        rows.append({
+            "concurrency": lv.concurrency,
+            "output_tokens_per_s": inverse(lv.output_tokens_per_s, other.output_tokens_per_s),
+            "ttft_p50": inverse(other.ttft_ms_p50, lv.ttft_ms_p50),
+            "itl_p50": inverse(other.itl_ms_p50, lv.itl_ms_p50),
+            "itl_p99": inverse(other.itl_ms_p99, lv.itl_ms_p99),
+        })  # fmt: skip
+    return rows
 
 
 async def _sweep(
-    settings: ServeSettings, base_url: str, tokenizer: Tokenizer
+    settings: ServeSettings,
+    base_url: str,
+    tokenizer: Tokenizer,
+    extra_body: dict[str, Any],
+    server_pid: int | None,
 ) -> tuple[list[LevelResult], str]:
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     limits = httpx.Limits(max_connections=max(settings.concurrencies) + 4)
@@ -162,7 +241,8 @@ async def _sweep(
             prompts = [synthetic_prompt(tokenizer, settings.input_tokens, seed + i)
                        for i in range(count)]  # fmt: skip
             seed += count
-            return [request_body(settings.endpoint, served_model, p, max_tokens) for p in prompts]
+            bodies = [request_body(settings.endpoint, served_model, p, max_tokens) for p in prompts]
+            return [{**body, **extra_body} for body in bodies]
 
         warmup = await _run_level(client, settings.endpoint, 1, next_bodies(
             settings.warmup_requests, min(settings.output_tokens, 8)))  # fmt: skip
@@ -171,9 +251,29 @@ async def _sweep(
         levels = []
         for concurrency in settings.concurrencies:
             bodies = next_bodies(settings.requests_at(concurrency), settings.output_tokens)
+            before = _cpu_seconds(server_pid)
             wall_s, timings = await _run_level(client, settings.endpoint, concurrency, bodies)
-            levels.append(LevelResult.of(concurrency, wall_s, timings))
+            level = LevelResult.of(concurrency, wall_s, timings)
+            after = _cpu_seconds(server_pid)
+            if before is not None and after is not None:
+                level.server_cpu_s = after[0] - before[0]
+                level.event_loop_cpu_s = after[1] - before[1]
+            levels.append(level)
     return levels, served_model
+
+
+def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """(whole process, its main thread) CPU seconds; the main thread runs the event loop."""
+    if pid is None:
+        return None
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        threads = {t.id: t.user_time + t.system_time for t in process.threads()}
+    except psutil.Error:
+        return None
+    return sum(threads.values()), threads.get(pid, 0.0)
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
@@ -223,11 +323,68 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{lv['itl_ms_p50']:.0f} | {lv['itl_ms_p99']:.0f} | {lv['tpot_ms_mean']:.0f} | "
             f"{lv['e2e_s_p50']:.1f} | {lv['e2e_s_p99']:.1f} |"
         )
-    errors = [e for lv in report["levels"] for e in lv["errors"]]
+    lines += _cpu_lines(report["levels"])
+    if "peer" in report:
+        lines += _peer_lines(report)
+    peer_levels = report.get("peer", {}).get("levels", [])
+    errors = [e for lv in report["levels"] + peer_levels for e in lv["errors"]]
     if errors:
         lines += ["", f"{len(errors)} requests failed; first error: {errors[0]}"]
+    if report.get("cpu_flags"):
+        lines += ["", f"CPU flags: {' '.join(report['cpu_flags'])}."]
     lines.append("")
     return "\n".join(lines)
+
+
+def _cpu_lines(levels: list[dict[str, Any]]) -> list[str]:
+    if not levels or levels[0].get("server_cpu_s") is None:
+        return []
+    lines = [
+        "",
+        "forklift's CPU time per level (the event-loop thread parses HTTP, builds JSON and "
+        "frames SSE; the rest is the engine thread, the model's threads and tokenizing):",
+        "",
+        "| concurrency | wall (s) | process CPU (s) | event loop CPU (s) | event loop share |",
+        "|---|---|---|---|---|",
+    ]
+    for lv in levels:
+        total, loop = lv["server_cpu_s"], lv["event_loop_cpu_s"]
+        share = loop / total if total else 0.0
+        lines.append(
+            f"| {lv['concurrency']} | {lv['wall_s']:.1f} | {total:.1f} | {loop:.2f} | "
+            f"{100 * share:.1f}% |"
+        )
+    return lines
+
+
+def _peer_lines(report: dict[str, Any]) -> list[str]:
+    peer = report["peer"]
+    name = peer["name"]
+    lines = [
+        "",
+        f"## Side by side: forklift vs {name} ({peer['target']}, model `{peer['served_model']}`)",
+        "",
+        "Ratios: throughput forklift / peer, latencies peer / forklift (above 1: forklift is "
+        "better).",
+        "",
+        f"| concurrency | forklift out tok/s | {name} out tok/s | ratio | TTFT p50 forklift / "
+        f"{name} (ms) | ITL p50 forklift / {name} (ms) | ITL p99 forklift / {name} (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    theirs = {lv["concurrency"]: lv for lv in peer["levels"]}
+    ratio = {r["concurrency"]: r for r in report["ratios"]}
+    for lv in report["levels"]:
+        other, r = theirs.get(lv["concurrency"]), ratio.get(lv["concurrency"])
+        if other is None or r is None:
+            continue
+        lines.append(
+            f"| {lv['concurrency']} | {lv['output_tokens_per_s']:.1f} | "
+            f"{other['output_tokens_per_s']:.1f} | {r['output_tokens_per_s']:.2f}x | "
+            f"{lv['ttft_ms_p50']:.0f} / {other['ttft_ms_p50']:.0f} | "
+            f"{lv['itl_ms_p50']:.0f} / {other['itl_ms_p50']:.0f} | "
+            f"{lv['itl_ms_p99']:.0f} / {other['itl_ms_p99']:.0f} |"
+        )
+    return lines
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str = "serve") -> list[Path]:

@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -34,11 +35,36 @@ def forklift_server_process(
     port = free_loopback_port()
     command = [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), *extra_args]
+    with _running(command, port, startup_timeout_s, "forklift serve") as started:
+        yield started
+
+
+@contextmanager
+def llama_server_process(
+    binary: str, gguf: Path, threads: int, slots: int = 8, startup_timeout_s: float = 300.0
+) -> Iterator[tuple[str, int]]:
+    """llama.cpp's server on the same GGUF file, with the settings that are fair to it on a
+    small CPU: `slots` continuous-batching slots of 1,024 tokens each, no prompt cache in RAM,
+    no flash attention (slower at depth on these CPUs), no web UI."""
+    port = free_loopback_port()
+    command = [
+        binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+        "-c", str(1024 * slots), "-np", str(slots), "--cache-ram", "0", "-fa", "off",
+        "--no-webui", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with _running(command, port, startup_timeout_s, "llama-server") as started:
+        yield started
+
+
+@contextmanager
+def _running(
+    command: list[str], port: int, startup_timeout_s: float, name: str
+) -> Iterator[tuple[str, int]]:
     with tempfile.TemporaryFile(mode="w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         base_url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(process, base_url, startup_timeout_s, log)
+            _wait_healthy(process, base_url, startup_timeout_s, log, name)
             yield base_url, process.pid
         finally:
             process.terminate()
@@ -49,16 +75,18 @@ def forklift_server_process(
                 process.wait()
 
 
-def _wait_healthy(process: subprocess.Popen, base_url: str, timeout_s: float, log) -> None:
+def _wait_healthy(
+    process: subprocess.Popen, base_url: str, timeout_s: float, log, name: str = "forklift serve"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
-            raise RuntimeError(f"forklift serve exited with {process.returncode}:\n{log.read()}")
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{log.read()}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"forklift serve was not healthy after {timeout_s:.0f} s")
+    raise RuntimeError(f"{name} was not healthy after {timeout_s:.0f} s")

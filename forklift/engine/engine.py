@@ -158,6 +158,7 @@ class LLMEngine:
             self._max_running_sequences(),
             config.resolve_max_num_batched_tokens(),
             self.state_pool,
+            config.resolve_decode_step_prefill_tokens(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parents: dict[str, ParentRequest] = {}

@@ -5,6 +5,11 @@ waiting requests are admitted while the token budget, `max_num_seqs` and free bl
 When a running request cannot get a block, the newest running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later.
 
+While any running request decodes, the step's prefill chunks together take at most
+`decode_step_prefill_tokens`: a new prompt is then prefilled over several steps instead of
+stalling every stream for one long step (time to first token traded for steady inter-token
+latency). A step with no decodes prefills at the full budget.
+
 A hybrid model's linear layers also need a state slot per running sequence (`state_pool`),
 taken at admission and given back at finish or preemption. Its samples of one prompt fork the
 leader's state where the shared blocks end: the leader's prefill chunk is cut at that block
@@ -62,12 +67,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         state_pool: StatePool | None = None,
+        decode_step_prefill_tokens: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        # None: no bound beyond max_num_batched_tokens.
+        self.decode_step_prefill_tokens = decode_step_prefill_tokens
         self.state_pool = state_pool
         self._pending_state_copies: list[tuple[int, int]] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._prefill_budget: int | None = None
         self.waiting: deque[Request] = deque()
         # Admission order: the newest request is last and is the first to be preempted.
         self.running: list[Request] = []
@@ -90,6 +99,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        bound = self.decode_step_prefill_tokens
+        self._prefill_budget = bound if decoding and bound is not None else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -114,10 +126,15 @@ class Scheduler:
         return shared * self.kv_cache.block_size if shared else None
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of `request` this step computes from `start`, within the budgets (0: none);
+        a prefill chunk is charged to the step's prefill budget."""
         num_new = min(request.num_tokens - start, budget)
         fork = self._fork_point(request)
         if fork is not None and start < fork:
             num_new = min(num_new, fork - start)  # stop where the state is forked
+        if num_new > 1 and self._prefill_budget is not None:
+            num_new = min(num_new, self._prefill_budget)
+            self._prefill_budget -= num_new
         return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -125,6 +142,9 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
+            if num_new == 0:  # a prefill past this step's prefill budget
+                idx += 1
+                continue
             if not self._reserve_or_preempt(request, num_new, out):
                 break
             out.scheduled.append(ScheduledRequest.of(request, num_new, self._slot(request)))
@@ -176,7 +196,7 @@ class Scheduler:
         cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if fresh else []
         start = request.num_computed_tokens + len(cached) * kv.block_size
         num_new = self._chunk(request, start, budget)
-        if not kv.allocate_slots(request.request_id, start + num_new, cached):
+        if num_new == 0 or not kv.allocate_slots(request.request_id, start + num_new, cached):
             return None
         if needs_slot and pool is not None:
             pool.allocate(request.request_id)
