@@ -12,7 +12,7 @@ from typing import Any
 
 from forklift.bench.cli import add_bench_parser
 from forklift.bench.kv_calc import add_kv_calc_parser
-from forklift.config import QUANTIZATION_METHODS, EngineConfig
+from forklift.config import QUANTIZATION_METHODS, SERVE_DECODE_STEP_PREFILL_TOKENS, EngineConfig
 from forklift.rl.cli import add_rl_parser
 from forklift.sampling_params import SamplingParams
 
@@ -36,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--decode-step-prefill-tokens",
         type=int,
         default=None,
-        help="most prompt tokens a step prefills while others decode (default auto; 0: no bound)",
+        help="most prompt tokens a step prefills while others decode (0: no bound; default: "
+        "none offline, 256 for serve)",
     )
     group.add_argument(
         "--enable-prefix-caching",
@@ -143,6 +144,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(engine_config, lambda: sampling_params_from_args(args), args.system)
 
 
+def serving_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """A server keeps its streams flowing: prefill is bounded in steps that decode unless
+    the command line says otherwise."""
+    config = engine_config_from_args(args)
+    if config.decode_step_prefill_tokens is None:
+        config = dataclasses.replace(
+            config, decode_step_prefill_tokens=SERVE_DECODE_STEP_PREFILL_TOKENS
+        )
+    return config
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from forklift.server.serve import serve
 
@@ -150,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from forklift.dp.launch import serve_data_parallel
 
         return serve_data_parallel(
-            engine_config_from_args(args),
+            serving_engine_config(args),
             host=args.host,
             port=args.port,
             data_parallel_size=args.data_parallel_size,
@@ -162,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
         )
     return serve(
-        engine_config_from_args(args),
+        serving_engine_config(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,

@@ -12,9 +12,9 @@ import torch
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 
-# decode_step_prefill_tokens when left to auto; chosen with `forklift bench serve` at the
-# seed's serving shape (docs/serving.md, "Prefill while streams decode").
-DEFAULT_DECODE_STEP_PREFILL_TOKENS = 256
+# `forklift serve`'s decode_step_prefill_tokens unless told otherwise; chosen with
+# `forklift bench serve` at the seed's serving shape (docs/serving.md).
+SERVE_DECODE_STEP_PREFILL_TOKENS = 256
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,8 +58,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     # Most prompt tokens a step may prefill while running requests decode (all its prefill
     # chunks together): a new prompt then joins over several steps instead of stalling every
-    # stream for one long step. None = auto (DEFAULT_DECODE_STEP_PREFILL_TOKENS); 0 = no
-    # bound beyond max_num_batched_tokens. Steps without decodes prefill at the full budget.
+    # stream for one long step. None or 0 = no bound beyond max_num_batched_tokens (offline
+    # throughput; `forklift serve` uses SERVE_DECODE_STEP_PREFILL_TOKENS unless told).
+    # Steps without decodes prefill at the full budget.
     decode_step_prefill_tokens: int | None = None
     # Reuse the KV blocks of earlier requests that share a token prefix.
     enable_prefix_caching: bool = True
@@ -127,7 +128,7 @@ class EngineConfig:
             or self.decode_step_prefill_tokens < 0
         ):
             raise ValueError(
-                "decode_step_prefill_tokens must be None (auto), 0 (no bound) or a positive "
+                "decode_step_prefill_tokens must be None or 0 (no bound) or a positive "
                 f"integer; got {self.decode_step_prefill_tokens!r}"
             )
         _positive("num_threads", self.num_threads, optional=True)
@@ -176,10 +177,7 @@ class EngineConfig:
 
     def resolve_decode_step_prefill_tokens(self) -> int | None:
         """The scheduler's bound (None: unbounded)."""
-        wanted = self.decode_step_prefill_tokens
-        if wanted is None:
-            return DEFAULT_DECODE_STEP_PREFILL_TOKENS
-        return wanted or None
+        return self.decode_step_prefill_tokens or None
 
     def resolve_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
