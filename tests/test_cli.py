@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from forklift.chat_session import run_chat
 from forklift.config import EngineConfig
 from forklift.sampling_params import SamplingParams
@@ -84,3 +86,22 @@ def test_enforce_eager_flag_reaches_the_engine_config():
     assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
     no_eager = parser.parse_args(["--no-enforce-eager"])
     assert engine_config_from_args(no_eager).enforce_eager is False
+
+
+def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
+    import argparse
+
+    from forklift.cli import add_engine_args, engine_config_from_args, serving_engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    default = parser.parse_args([])
+    assert engine_config_from_args(default).enable_prefix_caching is True
+    assert engine_config_from_args(default).decode_step_prefill_tokens is None  # offline
+    assert serving_engine_config(default).decode_step_prefill_tokens == 256
+    off = parser.parse_args(["--no-enable-prefix-caching", "--decode-step-prefill-tokens", "0"])
+    assert engine_config_from_args(off).enable_prefix_caching is False
+    assert serving_engine_config(off).decode_step_prefill_tokens == 0
+    assert serving_engine_config(off).resolve_decode_step_prefill_tokens() is None
+    with pytest.raises(ValueError, match="decode_step_prefill_tokens"):
+        engine_config_from_args(parser.parse_args(["--decode-step-prefill-tokens", "-3"]))
