@@ -111,7 +111,7 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
     for context in settings.contexts:
         # Untimed first: kernels pick and cache their plans on a shape's first run.
         for batch in settings.batch_sizes:
-            _decode_steps(llm, batch, context, 1, rng)
+            _decode_steps(llm, batch, context, 1, rng, strict=False)
         prefills = []
         for _ in range(2):
             prompt = [rng.randrange(vocab) for _ in range(context)]
@@ -133,7 +133,7 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
 
 
 def _decode_steps(
-    llm: LLM, batch: int, context: int, count: int, rng: random.Random
+    llm: LLM, batch: int, context: int, count: int, rng: random.Random, strict: bool = True
 ) -> list[float]:
     """Durations of steps in which every one of `batch` requests decodes one token (the
     first such step is left out)."""
@@ -142,7 +142,7 @@ def _decode_steps(
     # Requests prefilled early decode while later ones still prefill: give them enough
     # tokens to last until every request decodes.
     budget = engine.scheduler.max_num_batched_tokens
-    tokens = count + 4 + prefill_steps(batch, context, budget)
+    tokens = count + 8 + prefill_steps(batch, context, budget)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(None, [rng.randrange(vocab) for _ in range(context)], params)
@@ -154,7 +154,7 @@ def _decode_steps(
         for s in engine.step_log
         if s.index > first and s.num_batched_tokens == batch and s.num_sampled == batch
     ]
-    if len(decode) < count + 1:
+    if strict and len(decode) < count + 1:
         raise RuntimeError(f"only {len(decode)} pure decode steps at batch {batch}")
     return decode[1 : 1 + count]
 
