@@ -7,7 +7,7 @@ import json
 import pytest
 
 from forklift.bench.serve import ServeSettings
-from forklift.bench.server_process import forklift_server, llama_server_process
+from forklift.bench.server_process import forklift_server
 from forklift.bench.synthetic_prompt import synthetic_prompt
 from forklift.cli import main
 from forklift.tokenizer import load_tokenizer
@@ -73,32 +73,40 @@ def test_quick_serve_sweep_against_a_started_server_and_a_peer(tmp_path):
         )
 
 
+# Stands in for llama.cpp's server: records its command line, then serves the same GGUF
+# with forklift (any OpenAI-compatible server on that port will do).
 FAKE_LLAMA_SERVER = """#!{python}
-import http.server, json, os, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-with open(os.path.join(os.path.dirname(sys.argv[0]), f"{{port}}.args"), "w") as out:
-    out.write(json.dumps(sys.argv[1:]))
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"{{}}")
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+import json, os, sys
+args = sys.argv[1:]
+port = args[args.index("--port") + 1]
+with open(os.path.join(os.path.dirname(sys.argv[0]), "args.json"), "w") as out:
+    out.write(json.dumps(args))
+os.execv(sys.executable, [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1",
+                          "--port", port, "--model", args[args.index("-m") + 1],
+                          "--max-model-len", "512"])
 """
 
 
-def test_llama_server_is_started_with_the_fair_settings(tmp_path, default_source):
+def test_llama_server_is_started_with_fair_settings_and_loaded_the_same_way(
+    tmp_path, default_source
+):
     import sys
 
     binary = tmp_path / "llama-server"
     binary.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
     binary.chmod(0o755)
-    with llama_server_process(str(binary), default_source.path, threads=2) as (url, pid):
-        assert url.startswith("http://127.0.0.1:") and pid > 0
-        port = url.rsplit(":", 1)[1]
-    args = json.loads((tmp_path / f"{port}.args").read_text())
-    flag = {args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith("-")}
+    out = tmp_path / "out"
+    args = ["bench", "serve", "--quick", "--concurrency", "2", "--llama-server", str(binary),
+            "--peer-threads", "2", "--out-dir", str(out)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((out / "serve.json").read_text())
+    assert report["peer"]["name"] == "llama-server"
+    assert "--llama-server llama-server" in report["command"]  # not this machine's path
+    assert [lv["completed"] for lv in report["peer"]["levels"]] == [4]
+    started = json.loads((tmp_path / "args.json").read_text())
+    flag = {started[i]: started[i + 1] for i in range(len(started) - 1)
+            if started[i].startswith("-")}  # fmt: skip
     assert flag["-m"] == str(default_source.path)
     assert (flag["-t"], flag["-tb"], flag["-np"], flag["-c"]) == ("2", "2", "8", "8192")
     assert (flag["--cache-ram"], flag["-fa"]) == ("0", "off")
-    assert "--no-webui" in args
+    assert "--no-webui" in started

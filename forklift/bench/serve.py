@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,8 @@ def _scale(levels: list[LevelResult]) -> None:
 
 def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dict[str, Any] | None:
     if settings.peer_url:
-        name, server = "peer", nullcontext(settings.peer_url.rstrip("/").removesuffix("/v1"))
+        url = settings.peer_url.rstrip("/").removesuffix("/v1")
+        name, server = "peer", nullcontext((url, None))
         extra: dict[str, Any] = {}
     elif settings.llama_server:
         if source.format != "gguf":
@@ -187,8 +188,10 @@ def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dic
         extra = {"cache_prompt": False}  # its prompt cache would answer from memory
     else:
         return None
-    with server as base_url:
-        levels, served_model = asyncio.run(_sweep(settings, base_url, tokenizer, extra, None))
+    # The peer names its own model and takes no API key of forklift's.
+    peer_settings = replace(settings, served_model=None, api_key=None)
+    with server as (base_url, _):
+        levels, served_model = asyncio.run(_sweep(peer_settings, base_url, tokenizer, extra, None))
     _scale(levels)
     return {
         "name": name,

@@ -109,6 +109,10 @@ class Scheduler:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
         return out
 
+    def _waits_for_a_slot(self, request: Request) -> bool:
+        pool = self.state_pool
+        return pool is not None and pool.num_free == 0 and pool.slot_of(request.request_id) is None
+
     def _slot(self, request: Request) -> int:
         pool = self.state_pool
         if pool is None:
@@ -175,6 +179,10 @@ class Scheduler:
                 passed_over.append(request)
                 continue
             item = self._admit(request, budget)
+            if item is None and self._waits_for_a_slot(request):
+                # Forked samples behind it already hold their slots: let them run.
+                passed_over.append(request)
+                continue
             if item is None:
                 self.waiting.appendleft(request)
                 break

@@ -417,6 +417,8 @@ def expected_hf_names(config: ModelConfig) -> list[str]:
     ]
     if config.qkv_bias:
         attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if config.attention_output_gate:  # Qwen3.5's attention_bias covers o_proj too
+            attention.append("self_attn.o_proj.bias")
     if config.qk_norm:
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_layers):

@@ -39,7 +39,7 @@ class GatedAttention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, config.q_proj_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.qkv_bias)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
 

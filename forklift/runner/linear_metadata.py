@@ -37,11 +37,14 @@ def build_linear_metadata(
     kept = query_lens[:, None] + np.arange(history)[None, :]
     keep = extended_row(np.arange(count)[:, None], kept)
 
-    decode = query_lens == 1
+    # Decodes run together; each prefill chunk runs alone, so a short chunk is never padded
+    # to a long one's length (the chunked form's cost grows with the padded length).
+    decodes = np.flatnonzero(query_lens == 1)
+    members = ([decodes] if decodes.size else []) + [
+        np.array([s]) for s in np.flatnonzero(query_lens > 1)
+    ]
     groups = [
-        _group(np.flatnonzero(members), query_lens, first_token, read, slots, num_tokens, device)
-        for members in (decode, ~decode)
-        if members.any()
+        _group(seqs, query_lens, first_token, read, slots, num_tokens, device) for seqs in members
     ]
     return LinearAttentionMetadata(
         read_slots=_tensor(read, device),

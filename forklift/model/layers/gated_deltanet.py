@@ -28,7 +28,8 @@ ZERO_SLOT = 0
 
 @dataclass
 class DeltaRuleGroup:
-    """Sequences whose delta rule runs in one call: decodes (recurrent) or prefill chunks."""
+    """Sequences whose delta rule runs in one call: the decodes (recurrent form) or one
+    prefill chunk (chunked form)."""
 
     read_slots: torch.Tensor  # [seqs]: the state each starts from (ZERO_SLOT at position 0)
     write_slots: torch.Tensor  # [seqs]: where its new state goes
@@ -63,7 +64,8 @@ def causal_conv(
     states: [S, K - 1, C]. Returns the outputs [T, C] and the new states [S, K - 1, C]."""
     rows = torch.cat([states.reshape(-1, x.shape[1]), x])
     taps = rows.index_select(0, windows.reshape(-1)).view(*windows.shape, x.shape[1])
-    out = (taps * weight.squeeze(1).t()).sum(1)
+    # Accumulated in float32, as a convolution kernel does.
+    out = (taps.float() * weight.squeeze(1).t().float()).sum(1).to(x.dtype)
     new_states = rows.index_select(0, keep.reshape(-1)).view(*keep.shape, x.shape[1])
     return F.silu(out), new_states
 
@@ -150,7 +152,7 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         q = q * s.key_head_dim**-0.5
         v = v.reshape(tokens, s.num_value_heads, s.value_head_dim).float()
-        beta = b.float().sigmoid()
+        beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = delta_rule(q, k, v, g, beta, state_pool, meta).to(x.dtype)
         out = self.norm(out, z.reshape(tokens, s.num_value_heads, s.value_head_dim))
