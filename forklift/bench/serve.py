@@ -196,7 +196,8 @@ def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dic
     return {
         "name": name,
         "target": settings.peer_url or "llama-server (started by the benchmark)",
-        "served_model": served_model,
+        # llama-server names its model by the file's path: keep the file name only.
+        "served_model": served_model.rsplit("/", 1)[-1],
         "levels": [asdict(level) for level in levels],
     }
 
