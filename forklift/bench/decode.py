@@ -148,16 +148,31 @@ class DecodePoint:
 
 
 def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> list[float]:
+    return time_pure_decode(llm, batch, settings.context, settings.timed_steps, random.Random(seed))
+
+
+def time_pure_decode(
+    llm: LLM,
+    batch: int,
+    context: int,
+    count: int,
+    rng: random.Random,
+    *,
+    margin: int = 4,
+    strict: bool = True,
+) -> list[float]:
+    """Durations of `count` steps in which each of `batch` requests of `context` random prompt
+    tokens decodes one token. `margin` extra output tokens per request; `strict` raises when
+    fewer such steps ran."""
     engine = llm.llm_engine
-    rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
     # enough tokens to last until every request decodes.
     budget = engine.scheduler.max_num_batched_tokens
-    tokens = settings.timed_steps + 4 + prefill_steps(batch, settings.context, budget)
+    tokens = count + margin + prefill_steps(batch, context, budget)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(settings.context)]
+        prompt = [rng.randrange(vocab) for _ in range(context)]
         engine.add_request(None, prompt, params)
     first = engine.step_log[-1].index if engine.step_log else 0
     while engine.has_unfinished_requests():
@@ -168,10 +183,10 @@ def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> l
         for s in engine.step_log
         if s.index > first and s.num_batched_tokens == batch and s.num_sampled == batch
     ]
-    if len(decode) < settings.timed_steps + 1:
+    if strict and len(decode) < count + 1:
         raise RuntimeError(f"only {len(decode)} pure decode steps at batch {batch}")
-    # Skip the first decode step (one-time allocations), keep the next timed_steps.
-    return decode[1 : 1 + settings.timed_steps]
+    # Skip the first decode step (one-time allocations), keep the next `count`.
+    return decode[1 : 1 + count]
 
 
 def decode_step_budget(batch: int) -> int:

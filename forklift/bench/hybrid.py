@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from forklift.bench.decode import prefill_steps
+from forklift.bench.decode import prefill_steps, time_pure_decode
 from forklift.bench.report import cpu_flags, write_report_files
 from forklift.llm import LLM
 from forklift.runner.memory import kv_bytes_per_token, state_bytes_per_sequence
@@ -44,6 +44,10 @@ TINY_LINEAR_SHAPE = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
     linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=4,
 )  # fmt: skip
+
+
+# Extra output tokens per request beyond bench decode's: the warm-up passes ask for one step.
+_MARGIN = 8
 
 
 @dataclass
@@ -111,7 +115,7 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
     for context in settings.contexts:
         # Untimed first: kernels pick and cache their plans on a shape's first run.
         for batch in settings.batch_sizes:
-            _decode_steps(llm, batch, context, 1, rng, strict=False)
+            time_pure_decode(llm, batch, context, 1, rng, margin=_MARGIN, strict=False)
         prefills = []
         for _ in range(2):
             prompt = [rng.randrange(vocab) for _ in range(context)]
@@ -122,7 +126,7 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
         cache = context * kv_bytes_per_token(engine.model_config, engine.dtype)
         cache += state_bytes_per_sequence(engine.model_config, engine.dtype)
         for batch in settings.batch_sizes:
-            steps = _decode_steps(llm, batch, context, settings.timed_steps, rng)
+            steps = time_pure_decode(llm, batch, context, settings.timed_steps, rng, margin=_MARGIN)
             step = statistics.median(steps)
             points.append(
                 HybridPoint(name, dtype, context, batch, prefill, step * 1e3, batch / step, cache)
@@ -130,33 +134,6 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
     del llm, engine
     gc.collect()
     return points
-
-
-def _decode_steps(
-    llm: LLM, batch: int, context: int, count: int, rng: random.Random, strict: bool = True
-) -> list[float]:
-    """Durations of steps in which every one of `batch` requests decodes one token (the
-    first such step is left out)."""
-    engine = llm.llm_engine
-    vocab = engine.model_config.vocab_size
-    # Requests prefilled early decode while later ones still prefill: give them enough
-    # tokens to last until every request decodes.
-    budget = engine.scheduler.max_num_batched_tokens
-    tokens = count + 8 + prefill_steps(batch, context, budget)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(None, [rng.randrange(vocab) for _ in range(context)], params)
-    first = engine.step_log[-1].index if engine.step_log else 0
-    while engine.has_unfinished_requests():
-        engine.step()
-    decode = [
-        s.duration_s
-        for s in engine.step_log
-        if s.index > first and s.num_batched_tokens == batch and s.num_sampled == batch
-    ]
-    if strict and len(decode) < count + 1:
-        raise RuntimeError(f"only {len(decode)} pure decode steps at batch {batch}")
-    return decode[1 : 1 + count]
 
 
 def run_hybrid_bench(settings: HybridSettings) -> dict[str, Any]:
