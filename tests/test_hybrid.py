@@ -201,6 +201,15 @@ def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_pat
     _assert_matches_hf(interval_model.hf_model, prompts, outputs)
 
 
+def test_a_qwen3_5_model_without_linear_layers_keeps_its_gated_attention(tmp_path):
+    layers = ["full_attention"] * 4
+    tiny = make_tiny_hybrid("interval", tmp_path, layer_types=layers)
+    prompts = _prompts(11, [6, 30])
+    llm = _llm(tmp_path)
+    assert llm.llm_engine.state_pool is None  # no linear layer, no state
+    _assert_matches_hf(tiny.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
 def test_tensor_parallel_is_refused_with_a_clear_error(interval_model):
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         _llm(interval_model.path, tensor_parallel_size=2)

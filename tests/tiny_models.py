@@ -112,18 +112,8 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
     return tokens, logprobs
 
 
-# Tiny Qwen3.5 hybrids: Gated DeltaNet layers beside gated full attention.
-_HYBRID_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.25,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
+# Tiny Qwen3.5 hybrids: Gated DeltaNet layers beside gated full attention. Each variant sets
+# its own layers and heads over _COMMON.
 HYBRID_VARIANTS = {
     # The released layout (three linear, one full), GQA in both kinds of layer.
     "interval": dict(
@@ -151,8 +141,9 @@ HYBRID_VARIANTS = {
 }  # fmt: skip
 
 
-def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0) -> TinyModel:
-    config = transformers.Qwen3_5TextConfig(**{**_HYBRID_COMMON, **HYBRID_VARIANTS[variant]})
+def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0, **overrides) -> TinyModel:
+    settings = {**_COMMON, **HYBRID_VARIANTS[variant], **overrides}
+    config = transformers.Qwen3_5TextConfig(**settings)
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForCausalLM(config).float().eval()
     with torch.no_grad():

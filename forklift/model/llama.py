@@ -20,7 +20,7 @@ from torch import nn
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
-from forklift.model.layers.norm import RMSNorm
+from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
 from forklift.model.model_config import FULL_ATTENTION, LinearAttentionConfig, ModelConfig
@@ -34,7 +34,17 @@ logger = logging.getLogger("forklift")
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def rms_norm(config: ModelConfig, size: int) -> nn.Module:
+    """The model family's RMS norm: scaled by w, or by 1 + w (Qwen3.5)."""
+    if config.zero_centred_norms:
+        return ZeroCentredRMSNorm(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps)
+
+
 class Attention(nn.Module):
+    """The projections and norms of full attention; with an output gate (Qwen3.5), q_proj
+    also yields the gate values, and the forward is the hybrid layer's."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -44,11 +54,11 @@ class Attention(nn.Module):
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            config.hidden_size, config.q_proj_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = rms_norm(config, self.head_dim) if config.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -71,9 +81,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config, config.hidden_size)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         self.mlp = MLP(config)
 
     def forward(
@@ -163,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp: TensorParallelGroup | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
-        self.norm = self.build_final_norm(config)
+        self.norm = rms_norm(config, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
         )
@@ -176,10 +186,6 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def build_layer(config: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(config)
-
-    @staticmethod
-    def build_final_norm(config: ModelConfig) -> nn.Module:
-        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -417,8 +423,8 @@ def expected_hf_names(config: ModelConfig) -> list[str]:
     ]
     if config.qkv_bias:
         attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        if config.attention_output_gate:  # Qwen3.5's attention_bias covers o_proj too
-            attention.append("self_attn.o_proj.bias")
+    if config.o_proj_bias:
+        attention.append("self_attn.o_proj.bias")
     if config.qk_norm:
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_layers):

@@ -90,6 +90,8 @@ class ModelConfig:
     attention_output_gate: bool = False
     # Norm weights are stored as w - 1 (the norm scales by 1 + w).
     zero_centred_norms: bool = False
+    # o_proj has a bias (Qwen3.5 with attention_bias).
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -239,4 +241,5 @@ def _hybrid_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
         "partial_rotary_factor": float(factor),
         "attention_output_gate": True,
         "zero_centred_norms": True,
+        "o_proj_bias": bool(hf.get("attention_bias", False)),
     }

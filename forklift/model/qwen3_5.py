@@ -17,31 +17,12 @@ from torch import nn
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.gated_deltanet import GatedDeltaNet
-from forklift.model.layers.linear import Linear
-from forklift.model.layers.norm import ZeroCentredRMSNorm
 from forklift.model.layers.rotary import apply_partial_rotary
-from forklift.model.llama import MLP, LayerRegions, LlamaForCausalLM
+from forklift.model.llama import MLP, Attention, LayerRegions, LlamaForCausalLM, rms_norm
 from forklift.model.model_config import FULL_ATTENTION, ModelConfig
 
 if TYPE_CHECKING:
     from forklift.runner.tp_group import TensorParallelGroup
-
-
-class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, config.q_proj_size + 2 * self.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.qkv_bias)
-        self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -51,15 +32,15 @@ class HybridDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_full_attention = config.layer_type(index) == FULL_ATTENTION
-        self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config, config.hidden_size)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config)
+            self.self_attn = Attention(config)
         else:
             assert config.linear_attention is not None
             self.linear_attn = GatedDeltaNet(
                 config.hidden_size, config.linear_attention, config.rms_norm_eps
             )
-        self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         self.mlp = MLP(config)
 
     def forward(
@@ -96,6 +77,7 @@ class HybridDecoderLayer(nn.Module):
         # q_proj's rows alternate per head: head_dim queries, then head_dim gate values.
         query_gate = query_gate.view(tokens, attn.num_heads, 2 * attn.head_dim)
         q, gate = query_gate.split(attn.head_dim, dim=-1)
+        assert attn.q_norm is not None and attn.k_norm is not None  # Qwen3.5 has q/k norms
         q = attn.q_norm(q)
         k = attn.k_norm(k.view(tokens, attn.num_kv_heads, attn.head_dim))
         v = v.view(tokens, attn.num_kv_heads, attn.head_dim)
@@ -115,7 +97,3 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def build_layer(config: ModelConfig, index: int) -> nn.Module:
         return HybridDecoderLayer(config, index)
-
-    @staticmethod
-    def build_final_norm(config: ModelConfig) -> nn.Module:
-        return ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -241,7 +241,7 @@ class ModelRunner:
         """Per-sequence state slots of a hybrid model's linear layers (plus the zero slot)."""
         cfg = self.model.config
         shape = cfg.linear_attention
-        if shape is None or not cfg.linear_layers:
+        if shape is None or not cfg.is_hybrid:
             return {}
         layers, slots = len(cfg.linear_layers), num_slots + 1
         history = shape.conv_kernel - 1
@@ -365,7 +365,7 @@ class ModelRunner:
         self, starts: np.ndarray, query_lens: np.ndarray, slots: np.ndarray
     ) -> LinearAttentionMetadata | None:
         shape = self.model.config.linear_attention
-        if shape is None or not self.model.config.linear_layers:
+        if shape is None or not self.model.config.is_hybrid:
             return None
         return build_linear_metadata(starts, query_lens, slots, shape.conv_kernel, self.device)
 
@@ -451,7 +451,9 @@ def build_model(
     shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
     # Build on the meta device so no time goes into random initialisation, then load.
-    model_class = Qwen3_5ForCausalLM if config.is_hybrid else LlamaForCausalLM
+    # By architecture, not by layer mix: a Qwen3.5 config of only full-attention layers still
+    # has gated attention and zero-centred norms.
+    model_class = Qwen3_5ForCausalLM if config.architecture == "qwen3_5" else LlamaForCausalLM
     with torch.device("meta"):
         model = model_class(config, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
