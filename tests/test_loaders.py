@@ -195,25 +195,18 @@ def test_gguf_metadata_fallbacks(tmp_path: Path) -> None:
     assert config.head_dim == 16 and not config.tie_word_embeddings
 
 
-def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gpt2")
+@pytest.mark.parametrize(
+    ("arch", "message"),
+    [("gpt2", "gpt2"), ("qwen35", "qwen35.*safetensors directory")],  # the hybrid: use HF
+)
+def test_gguf_unsupported_architecture(tmp_path: Path, arch: str, message: str) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="gpt2"):
-        gguf_model_config(open_gguf(tmp_path / "m.gguf"))
-
-
-def test_gguf_of_the_hybrid_family_points_to_the_hf_directory(tmp_path: Path) -> None:
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen35")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="qwen35.*safetensors directory"):
+    with pytest.raises(ValueError, match=message):
         gguf_model_config(open_gguf(tmp_path / "m.gguf"))
 
 

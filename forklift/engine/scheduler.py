@@ -196,9 +196,7 @@ class Scheduler:
         """Reserve blocks for a waiting request's next chunk, starting from the longest cached
         prefix when it has nothing computed; None when blocks ran out (nothing changes)."""
         kv = self.kv_cache
-        pool = self.state_pool
-        needs_slot = pool is not None and pool.slot_of(request.request_id) is None
-        if needs_slot and pool is not None and pool.num_free == 0:
+        if self._waits_for_a_slot(request):
             return None
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
         cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if fresh else []
@@ -206,8 +204,8 @@ class Scheduler:
         num_new = self._chunk(request, start, budget)
         if num_new == 0 or not kv.allocate_slots(request.request_id, start + num_new, cached):
             return None
-        if needs_slot and pool is not None:
-            pool.allocate(request.request_id)
+        if self.state_pool is not None:
+            self.state_pool.allocate(request.request_id)  # keeps a slot it already holds
         if fresh and kv.enable_prefix_caching:
             kv.record_lookup(request.num_tokens, start)
             if request.num_preemptions == 0:

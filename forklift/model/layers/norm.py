@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in float32."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -12,10 +18,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 class ZeroCentredRMSNorm(torch.nn.Module):
@@ -27,9 +30,7 @@ class ZeroCentredRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -41,7 +42,5 @@ class GatedRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (h * torch.nn.functional.silu(gate.float())).to(dtype)
+        h = self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
