@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from forklift.model.layers.gated_deltanet import ZERO_SLOT, DeltaRuleGroup, LinearAttentionMetadata
+from forklift.model.layers.gated_deltanet import (
+    ZERO_SLOT,
+    DecodeGroup,
+    LinearAttentionMetadata,
+    PrefillChunk,
+)
 
 
 def build_linear_metadata(
@@ -37,47 +42,29 @@ def build_linear_metadata(
     kept = query_lens[:, None] + np.arange(history)[None, :]
     keep = extended_row(np.arange(count)[:, None], kept)
 
-    # Decodes run together; each prefill chunk runs alone, so a short chunk is never padded
-    # to a long one's length (the chunked form's cost grows with the padded length).
     decodes = np.flatnonzero(query_lens == 1)
-    members = ([decodes] if decodes.size else []) + [
-        np.array([s]) for s in np.flatnonzero(query_lens > 1)
-    ]
-    groups = [
-        _group(seqs, query_lens, first_token, read, slots, num_tokens, device) for seqs in members
+    prefills = [
+        PrefillChunk(
+            read_slot=_tensor(read[s : s + 1], device),
+            write_slot=_tensor(slots[s : s + 1], device),
+            first=int(first_token[s]),
+            length=int(query_lens[s]),
+        )
+        for s in np.flatnonzero(query_lens > 1)
     ]
     return LinearAttentionMetadata(
         read_slots=_tensor(read, device),
         write_slots=_tensor(slots, device),
         conv_windows=_tensor(windows, device),
         conv_keep=_tensor(keep, device),
-        groups=groups,
-    )
-
-
-def _group(
-    seqs: np.ndarray,
-    query_lens: np.ndarray,
-    first_token: np.ndarray,
-    read: np.ndarray,
-    slots: np.ndarray,
-    num_tokens: int,
-    device: torch.device,
-) -> DeltaRuleGroup:
-    lens = query_lens[seqs]
-    total = int(lens.sum())
-    row = np.repeat(np.arange(len(seqs)), lens)
-    offset = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    token_index = first_token[seqs][row] + offset
-    max_len = int(lens.max())
-    query_index = np.full((len(seqs), max_len), num_tokens, dtype=np.int64)
-    query_index[row, offset] = token_index
-    return DeltaRuleGroup(
-        read_slots=_tensor(read[seqs], device),
-        write_slots=_tensor(slots[seqs], device),
-        query_index=_tensor(query_index, device),
-        padded_index=_tensor(row * max_len + offset, device),
-        token_index=_tensor(token_index, device),
+        decodes=DecodeGroup(
+            read_slots=_tensor(read[decodes], device),
+            write_slots=_tensor(slots[decodes], device),
+            token_index=_tensor(first_token[decodes], device),
+        )
+        if decodes.size
+        else None,
+        prefills=prefills,
     )
 
 

@@ -27,16 +27,23 @@ ZERO_SLOT = 0
 
 
 @dataclass
-class DeltaRuleGroup:
-    """Sequences whose delta rule runs in one call: the decodes (recurrent form) or one
-    prefill chunk (chunked form)."""
+class DecodeGroup:
+    """The step's decodes, one token each: the recurrent form, batched over them."""
 
     read_slots: torch.Tensor  # [seqs]: the state each starts from (ZERO_SLOT at position 0)
     write_slots: torch.Tensor  # [seqs]: where its new state goes
-    # [seqs, max_len]: flat token index of each position; padding points at row num_tokens.
-    query_index: torch.Tensor
-    padded_index: torch.Tensor  # [tokens in group]: position of each token in seqs x max_len
-    token_index: torch.Tensor  # [tokens in group]: the flat index of those tokens
+    token_index: torch.Tensor  # [seqs]: the flat index of each one's token
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prompt chunk, rows [first, first + length) of the step: the chunked
+    form, alone (padding short chunks to a long one's length would cost as much as it)."""
+
+    read_slot: torch.Tensor  # [1]
+    write_slot: torch.Tensor  # [1]
+    first: int
+    length: int
 
 
 @dataclass
@@ -50,7 +57,8 @@ class LinearAttentionMetadata:
     conv_windows: torch.Tensor
     # [seqs, conv_kernel - 1]: the inputs each sequence keeps, indexing the same rows.
     conv_keep: torch.Tensor
-    groups: list[DeltaRuleGroup]
+    decodes: DecodeGroup | None
+    prefills: list[PrefillChunk]
 
 
 def causal_conv(
@@ -81,36 +89,25 @@ def delta_rule(
 ) -> torch.Tensor:
     """q, k: [T, H, Dk]; v: [T, H, Dv]; g, beta: [T, H] (float32). Reads and writes each
     sequence's recurrent state in `state_pool` [slots, H, Dk, Dv]; returns [T, H, Dv]."""
-    num_tokens = q.shape[0]
-    out: torch.Tensor | None = None
-    for group in meta.groups:
-        state = state_pool.index_select(0, group.read_slots)
-        if group.query_index.shape[1] == 1:
-            every = group.token_index.numel() == num_tokens and len(meta.groups) == 1
-            index = group.token_index
-            inputs = [q, k, v, g, beta]
-            if not every:
-                inputs = [t.index_select(0, index) for t in inputs]
-            result, state = recurrent_gated_delta_step(*inputs, state)
-        else:
-            padded = [_pad_gather(t, group.query_index) for t in (q, k, v, g, beta)]
-            chunk_out, state = chunked_gated_delta_rule(*padded, state)
-            result = chunk_out.reshape(-1, *chunk_out.shape[2:]).index_select(0, group.padded_index)
-            every = False
-        state_pool.index_copy_(0, group.write_slots, state)
-        if every:
-            return result
-        if out is None:
-            out = v.new_empty(num_tokens, *v.shape[1:])
-        out.index_copy_(0, group.token_index, result)
-    assert out is not None
+    decodes = meta.decodes
+    if decodes is not None and not meta.prefills:  # every token, in order: no gather
+        state = state_pool.index_select(0, decodes.read_slots)
+        out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
+        state_pool.index_copy_(0, decodes.write_slots, state)
+        return out
+    out = v.new_empty(v.shape)
+    if decodes is not None:
+        state = state_pool.index_select(0, decodes.read_slots)
+        inputs = [t.index_select(0, decodes.token_index) for t in (q, k, v, g, beta)]
+        result, state = recurrent_gated_delta_step(*inputs, state)
+        state_pool.index_copy_(0, decodes.write_slots, state)
+        out.index_copy_(0, decodes.token_index, result)
+    for chunk in meta.prefills:
+        rows = [t.narrow(0, chunk.first, chunk.length)[None] for t in (q, k, v, g, beta)]
+        result, state = chunked_gated_delta_rule(*rows, state_pool.index_select(0, chunk.read_slot))
+        state_pool.index_copy_(0, chunk.write_slot, state)
+        out.narrow(0, chunk.first, chunk.length).copy_(result[0])
     return out
-
-
-def _pad_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: [T, ...] -> [S, L, ...] by a [S, L] index, where index T is a zero row."""
-    rows = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    return rows.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
 class GatedDeltaNet(nn.Module):
