@@ -99,9 +99,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         bound = self.decode_step_prefill_tokens
-        self._prefill_budget = bound if decoding and bound is not None else None
+        decoding = bound is not None and any(
+            r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+        )
+        self._prefill_budget = bound if decoding else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
