@@ -248,3 +248,29 @@ def test_the_server_streams_a_hybrid_model(interval_model):
     expected_text = " ".join(f"w{t}" for t in expected)
     assert [t.split() for t in texts] == [expected_text.split()] * 2
     assert engine.state_pool.num_free == engine.state_pool.num_slots
+
+
+QWEN3_5_CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types names 3 layers"),
+        ({"layer_types": ["linear_attention"] * 3 + ["sliding"]}, "unsupported layer_types"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ],
+)
+def test_bad_hybrid_configs_are_refused_naming_the_field(change, message):
+    from forklift.model.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config({**QWEN3_5_CONFIG, **change})
+    # The same settings without the change parse, placing a full layer every fourth.
+    config = ModelConfig.from_hf_config(QWEN3_5_CONFIG)
+    assert config.attention_layers == (3,) and config.linear_layers == (0, 1, 2)
