@@ -85,8 +85,13 @@ def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> TinyModel:
         for name, param in model.named_parameters():
             if name.endswith("proj.bias"):
                 param.normal_(0, 0.5)
+    return _save(model, directory)
+
+
+def _save(model: torch.nn.Module, directory: Path) -> TinyModel:
+    """The model as an HF directory with a word-level tokenizer; the returned oracle never
+    stops early (forklift runs with ignore_eos to match)."""
     model.save_pretrained(directory, safe_serialization=True)
-    # The oracle never stops early; forklift runs with ignore_eos to match.
     model.generation_config.eos_token_id = None
     word_level_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
@@ -154,8 +159,4 @@ def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0, **overrides) 
                 param.normal_(0, 0.3)
             elif name.endswith("dt_bias"):
                 param.normal_(0, 1.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    model.generation_config.eos_token_id = None
-    word_level_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
-    return TinyModel(directory, model)
+    return _save(model, directory)
