@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLMEngine": "forklift.engine.engine",
     "EngineConfig": "forklift.config",
     "SamplingParams": "forklift.sampling_params",
+    "StructuredOutputsParams": "forklift.structured.params",
     "RequestOutput": "forklift.outputs",
     "CompletionOutput": "forklift.outputs",
     "Logprob": "forklift.outputs",
@@ -26,6 +27,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from forklift.llm import LLM
     from forklift.outputs import CompletionOutput, Logprob, RequestOutput
     from forklift.sampling_params import SamplingParams
+    from forklift.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -172,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             enable_trainer_routes=args.enable_trainer_routes,
             limits=server_limits_from_args(args),
             shutdown_timeout_s=args.shutdown_timeout,
+            tool_call_parser=args.tool_call_parser,
         )
     return serve(
         serving_engine_config(args),
@@ -183,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=server_limits_from_args(args),
         enable_trainer_routes=args.enable_trainer_routes,
         shutdown_timeout_s=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -283,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds running requests get to finish after SIGTERM / SIGINT (then aborted)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default="hermes",
+        help="how tool calls are read from output under tool_choice 'auto' (see docs/serving.md)",
     )
     srv.set_defaults(func=cmd_serve)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from forklift.structured.params import StructuredOutputsParams
+
 LOGPROBS_MODES = ("processed", "raw")
 _INT64_LIMIT = 2**63
 
@@ -21,6 +23,8 @@ class SamplingParams:
       tokens (dropped ones get -inf), so with top-k/top-p the logprobs are those of the
       truncated distribution. Greedy rows use the penalised logits without temperature.
     - "raw": the model's own distribution, log_softmax of its logits, before any processing.
+
+    `structured_outputs` constrains every sample to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -41,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_mode: str = "processed"
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +134,12 @@ class SamplingParams:
             "must be a list of non-negative token ids",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -196,6 +196,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what grammar libraries read)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)

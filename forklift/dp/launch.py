@@ -59,6 +59,7 @@ def serve_data_parallel(
     limits: ServerLimits | None = None,
     shutdown_timeout_s: float = 30.0,
     out: TextIO = sys.stdout,
+    tool_call_parser: str = "hermes",
 ) -> int:
     import ray
 
@@ -81,7 +82,7 @@ def serve_data_parallel(
     replica_host = "127.0.0.1" if local else None
     actors = [
         actor_class.options(scheduling_strategy="SPREAD").remote(
-            kwargs, name, api_key, replica_host, enable_trainer_routes, limits
+            kwargs, name, api_key, replica_host, enable_trainer_routes, limits, tool_call_parser
         )
         for _ in range(data_parallel_size)
     ]

@@ -30,6 +30,7 @@ class ReplicaServer:
         host: str | None,
         enable_trainer_routes: bool = False,
         limits: ServerLimits | None = None,
+        tool_call_parser: str = "hermes",
     ) -> None:
         if host is None:  # on a node of a Ray cluster: the address other nodes reach it at
             import ray
@@ -42,6 +43,7 @@ class ReplicaServer:
             api_key,
             limits=limits,
             enable_trainer_routes=enable_trainer_routes,
+            tool_call_parser=tool_call_parser,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -39,6 +39,7 @@ from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
+from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("forklift")
@@ -161,6 +162,7 @@ class LLMEngine:
             config.resolve_decode_step_prefill_tokens(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._parents: dict[str, ParentRequest] = {}
         self._sequences: dict[str, tuple[ParentRequest, Sequence]] = {}
         self._rng = random.Random(config.seed)
@@ -293,6 +295,8 @@ class LLMEngine:
         field): no request can ask for unbounded work, e.g. n=100000 sequences."""
         params.validate()
         check_sampling_limits(params, self.config, self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached for add_request
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -336,6 +340,8 @@ class LLMEngine:
             if self.tokenizer
             else frozenset(self.model_config.eos_token_ids)
         )
+        constraint = params.structured_outputs
+        grammars = self.grammars.matchers(constraint, params.n) if constraint else None
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(
@@ -347,6 +353,7 @@ class LLMEngine:
                 eos_token_ids=frozenset(eos),
                 arrival_time=metrics.arrival_time,
                 cache_key=cache_key,
+                grammar=grammars[index] if grammars else None,
             )
             sequence = Sequence(index, request, self.output_processor.new_detokenizer(request))
             parent.sequences.append(sequence)
@@ -468,13 +475,35 @@ class LLMEngine:
         )
         rank = out.ranks[row] if out.ranks is not None else None
         token_id = out.token_ids[row]
-        if self.output_processor.process_token(sequence, token_id, logprob, rank, top):
+        grammar_done = request.grammar is not None and self._advance_grammar(request, token_id)
+        hit_stop = self.output_processor.process_token(sequence, token_id, logprob, rank, top)
+        if grammar_done and not hit_stop and sequence.detokenizer is not None:
+            sequence.detokenizer.finalize()
+        if hit_stop or grammar_done:
             stop = sequence.detokenizer.stop_reason if sequence.detokenizer else None
             if request.is_finished:
                 request.finish_reason = FinishReason.STOP
             else:
                 self.scheduler.finish(request, FinishReason.STOP)
             request.stop_reason = stop
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> bool:
+        """Feed the sampled token to the sequence's grammar; True when the grammar is
+        complete (only end-of-sequence could follow), which ends the sequence now."""
+        grammar = request.grammar
+        assert grammar is not None
+        if request.is_finished:
+            return False  # stopped on EOS, a stop id or the length: nothing more to sample
+        if not grammar.accept(token_id):
+            # Only reachable when every allowed token was banned (e.g. min_tokens holding
+            # back the EOS a finished grammar needs): end the sequence, say why.
+            logger.warning(
+                "request %s: token %d breaks its grammar (%s); finishing it",
+                request.request_id, token_id, grammar.error,
+            )  # fmt: skip
+            return True
+        return grammar.is_finished
 
     def _emit(self, parent: ParentRequest) -> RequestOutput:
         if parent.finished:

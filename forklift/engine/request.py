@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from forklift.structured.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,9 @@ class Request:
     # for it (`prefix_leader`) and then share its full prompt blocks instead of recomputing.
     prefix_leader: Request | None = None
     followers: list[Request] = field(default_factory=list)
+    # Structured outputs: this sequence's place in its grammar. It has consumed every output
+    # token, so recompute after preemption leaves it as it is.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -331,7 +331,7 @@ class ModelRunner:
             return StepResult([], None)
         with torch.inference_mode():
             batch = SamplingBatch.from_requests(
-                [scheduled[i].request for i in sampled_items], self.device
+                [scheduled[i].request for i in sampled_items], self.device, logits.shape[1]
             )
             return StepResult(sampled_items, sample(logits, batch))
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from forklift.engine.request import Request
+from forklift.structured.grammar import bitmask_width
 
 
 @dataclass
@@ -26,6 +28,10 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     num_logprobs: list[int | None]
     raw_logprobs: torch.Tensor  # [N] bool: logprobs of the raw distribution, not the processed
+    # Structured outputs: the rows under a grammar, and their allowed tokens as bits
+    # [len(rows), ceil(vocab / 32)] int32 (bit t of a row = token t may be sampled).
+    grammar_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -55,8 +61,12 @@ class SamplingBatch:
         return max(asked) if asked else None
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
+    def from_requests(
+        cls, requests: list[Request], device: torch.device, vocab_size: int = 0
+    ) -> SamplingBatch:
+        """`vocab_size` (the logits' width) sizes the token bitmask of grammar rows."""
         params = [r.sampling_params for r in requests]
+        grammar_rows, token_bitmask = _grammar_bitmask(requests, vocab_size, device)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -81,7 +91,26 @@ class SamplingBatch:
             raw_logprobs=torch.tensor(
                 [p.logprobs_mode == "raw" for p in params], dtype=torch.bool, device=device
             ),
+            grammar_rows=grammar_rows,
+            token_bitmask=token_bitmask,
         )
+
+
+def _grammar_bitmask(
+    requests: list[Request], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None, None
+    bitmask = np.zeros((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
+    for out_row, row in enumerate(rows):
+        grammar = requests[row].grammar
+        assert grammar is not None
+        grammar.fill_bitmask(bitmask[out_row])
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.from_numpy(bitmask).to(device),
+    )
 
 
 def _banned_tokens(request: Request) -> list[int]:

@@ -33,6 +33,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     num_logprobs = batch.max_num_logprobs
     raw = logits
     logits = _ban_tokens(logits, batch.banned_token_ids)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
     token_ids = logits.argmax(dim=-1)
@@ -61,6 +63,19 @@ def _ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     cols = [t for ids in banned for t in ids if t < vocab]
     logits = logits.clone()
     logits[rows, cols] = float("-inf")
+    return logits
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every token of `rows` whose bit in `bitmask` [len(rows), words] is 0."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, words, 32], bit 0 first
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

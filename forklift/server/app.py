@@ -35,6 +35,7 @@ from forklift.server.protocol import (
     TokenizeRequest,
 )
 from forklift.server.serving import ServerContext
+from forklift.server.tool_parsers import make_parser
 
 
 def build_app(
@@ -44,12 +45,14 @@ def build_app(
     max_waiting_requests: int | None = None,
     limits: ServerLimits | None = None,
     enable_trainer_routes: bool = False,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request."""
+    make_parser(tool_call_parser)  # a bad name fails here, not on the first tool request
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_waiting_requests, on_step=metrics.observe_step)
     limits = limits or ServerLimits()
-    ctx = ServerContext(async_engine, served_model_name, limits)
+    ctx = ServerContext(async_engine, served_model_name, limits, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -21,11 +21,16 @@ from forklift.server.serving import (
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
+from forklift.server.tool_output import ToolCallStreamer, final_message, stream_finish_reason
+from forklift.server.tool_parsers import make_parser
+from forklift.server.tool_prompt import prepare_conversation
+from forklift.server.tools import ToolRequest, tool_request
 
 # Variables the server passes to the chat template itself; a request may not override them.
 _TEMPLATE_VARIABLES = frozenset(
-    {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"}
-)
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
+     "pad_token"}
+)  # fmt: skip
 
 
 def chat_prompt_ids(
@@ -33,6 +38,7 @@ def chat_prompt_ids(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: ToolRequest | None = None,
 ) -> list[int]:
     tokenizer = ctx.tokenizer
     if not messages:
@@ -45,10 +51,18 @@ def chat_prompt_ids(
             f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
             "chat_template_kwargs",
         )
-    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    conversation, template_tools = prepare_conversation(
+        [m.model_dump(exclude_none=True) for m in messages],
+        tools,
+        tokenizer.chat_template,
+        ctx.tool_call_parser,
+    )
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, **template_kwargs
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tools=template_tools,
+            **template_kwargs,
         )
     except (ValueError, TypeError) as exc:  # TypeError: a template choking on request data
         raise APIError(400, f"the chat template failed on this request: {exc}", "messages") from exc
@@ -74,30 +88,39 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    params = make_params(ctx, body, max_tokens, logprobs)
+    tools = tool_request(body.tools, body.tool_choice)
+    params = make_params(ctx, body, max_tokens, logprobs, tools.constraint() if tools else None)
     # Rendering the template and tokenizing run in a worker thread, off the event loop.
     prompt = await asyncio.to_thread(
-        chat_prompt_ids, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+        chat_prompt_ids,
+        ctx,
+        body.messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+        tools,
     )
     run = await launch(ctx, "chatcmpl", [prompt], params, body.cache_salt)
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, run, tools), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)
     if finals is None:
         return None
     output = finals[0]
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": _logprob_content(c, 0, body.top_logprobs or 0)}
-            if body.logprobs
-            else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in output.outputs
-    ]
+    parser = make_parser(ctx.tool_call_parser)
+    choices = []
+    for c in output.outputs:
+        message, finish_reason = final_message(c.text, c.finish_reason, tools, parser)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": _logprob_content(c, 0, body.top_logprobs or 0)}
+                if body.logprobs
+                else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return JSONResponse(
         {
             "id": run.response_id,
@@ -111,10 +134,12 @@ async def create_chat_completion(
 
 
 async def _stream(
-    ctx: ServerContext, body: ChatCompletionRequest, run: Launch
+    ctx: ServerContext, body: ChatCompletionRequest, run: Launch, tools: ToolRequest | None
 ) -> AsyncIterator[str]:
     progress: dict[int, ChoiceProgress] = {}
+    streamers: dict[int, ToolCallStreamer] = {}
     final: RequestOutput | None = None
+    parser = make_parser(ctx.tool_call_parser)
 
     def chunk(choice: dict[str, Any]) -> str:
         return sse(
@@ -142,6 +167,11 @@ async def _stream(
                         "finish_reason": None,
                     }
                 )
+            if tools is not None and tools.parses_calls:
+                streamer = streamers.setdefault(completion.index, ToolCallStreamer(tools, parser))
+                for choice in _tool_delta_choices(body, completion, state, streamer):
+                    yield chunk(choice)
+                continue
             choice = _delta_choice(body, completion, state)
             if choice is not None:
                 yield chunk(choice)
@@ -182,6 +212,46 @@ def _delta_choice(
         "finish_reason": finish,
         "stop_reason": completion.stop_reason,
     }
+
+
+def _tool_delta_choices(
+    body: ChatCompletionRequest,
+    completion: CompletionOutput,
+    state: ChoiceProgress,
+    streamer: ToolCallStreamer,
+) -> list[dict[str, Any]]:
+    """The chunks of a choice that may call tools: content and call deltas, then the
+    finish reason on a chunk of its own."""
+    if state.finished:
+        return []
+    finish = completion.finish_reason
+    deltas = streamer.deltas(completion.text, finished=finish is not None)
+    if not deltas and finish is None:
+        return []  # held back: its logprobs go out with the next chunk
+    logprobs = None
+    if body.logprobs and len(completion.token_ids) > state.num_tokens:
+        logprobs = {
+            "content": _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
+        }
+    state.num_tokens = len(completion.token_ids)
+    choices = [
+        {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        for delta in deltas
+    ]
+    if choices:
+        choices[0]["logprobs"] = logprobs
+    if finish is not None:
+        state.finished = True
+        choices.append(
+            {
+                "index": completion.index,
+                "delta": {},
+                "logprobs": None if choices else logprobs,
+                "finish_reason": stream_finish_reason(streamer, finish),
+                "stop_reason": completion.stop_reason,
+            }
+        )
+    return choices
 
 
 def _logprob_content(completion: CompletionOutput, start: int, top_n: int) -> list[dict[str, Any]]:

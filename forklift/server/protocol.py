@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from forklift.sampling_params import SamplingParams
+from forklift.structured.params import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -42,8 +43,16 @@ class SamplingFields(BaseModel):
     logprobs_mode: str = "processed"
     # Requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = None
+    # Output constraints (forklift/server/structured.py); vLLM's guided_* arrive as extras.
+    response_format: Any = None
+    structured_outputs: Any = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -63,6 +72,7 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             logprobs_mode=self.logprobs_mode,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured,
         )
 
     @property
@@ -93,6 +103,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class TokenizeRequest(BaseModel):

@@ -38,11 +38,20 @@ def serve(
     enable_trainer_routes: bool = False,
     shutdown_timeout_s: float = 30.0,
     out: TextIO = sys.stdout,
+    tool_call_parser: str = "hermes",
 ) -> int:
     check_trainer_routes_exposure(host, api_key, enable_trainer_routes)  # before any loading
     engine = LLMEngine(config)
     name = served_model_name or default_served_name(config.model)
-    app = build_app(engine, name, api_key, max_waiting_requests, limits, enable_trainer_routes)
+    app = build_app(
+        engine,
+        name,
+        api_key,
+        max_waiting_requests,
+        limits,
+        enable_trainer_routes,
+        tool_call_parser=tool_call_parser,
+    )
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     line = ready_line(host, port, name, api_key)
     server = DrainingServer(uv_config, line, out, app.state.ctx.async_engine, shutdown_timeout_s)

@@ -16,6 +16,8 @@ from forklift.server.errors import APIError, bad_request
 from forklift.server.limits import ServerLimits, check_extra_fields
 from forklift.server.protocol import SamplingFields
 from forklift.server.streams import merge_streams
+from forklift.server.structured import structured_params
+from forklift.structured.params import StructuredOutputsParams
 from forklift.tokenizer import Tokenizer
 
 
@@ -24,6 +26,8 @@ class ServerContext:
     async_engine: AsyncEngine
     served_model_name: str
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # How `tool_choice: auto` output is read (forklift/server/tool_parsers.py).
+    tool_call_parser: str = "hermes"
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -86,11 +90,22 @@ async def launch(
 
 
 def make_params(
-    ctx: ServerContext, body: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ctx: ServerContext,
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    check_extra_fields(body.model_extra or {}, ctx.limits, ctx.async_engine.engine.config)
+    """The request's SamplingParams; `constraint` (from tools) or the body's own output
+    constraint fields. The grammar compiles later, in `launch`'s validation."""
+    extra = body.model_extra or {}
+    check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
+    asked = structured_params(body.response_format, body.structured_outputs, extra)
+    if constraint is not None and asked is not None:
+        message = f"{asked.param} cannot be combined with a tool_choice that forces a call"
+        raise APIError(400, message, asked.param)
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, constraint or asked)
     except ValueError as exc:
         raise bad_request(exc) from exc
 

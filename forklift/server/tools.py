@@ -1,0 +1,129 @@
+"""Tool definitions and `tool_choice` of a chat request: validated, and turned into what the
+prompt and the decoder need.
+
+- `none`: the model answers in text; no call is parsed.
+- `auto` (the default with tools): the model may call tools; the output is parsed by the
+  server's tool-call parser.
+- `required`: decoding is constrained to a JSON array of one or more calls
+  `[{"name": ..., "parameters": {...}}]`, one schema branch per tool.
+- a named function: decoding is constrained to that function's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from forklift.server.errors import APIError
+from forklift.structured.params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # "none" | "auto" | "required" | "named"
+    name: str | None = None  # the function, when mode == "named"
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}
+    choice: ToolChoice
+
+    @property
+    def functions(self) -> dict[str, dict[str, Any]]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """What the chat template gets as `tools` (vLLM passes them even for `none`)."""
+        return self.tools or None
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tools) and self.choice.mode != "none"
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.choice.mode == "named":
+            parameters = self.functions[self.choice.name or ""]["parameters"]
+            return StructuredOutputsParams(json=parameters, param="tool_choice")
+        if self.choice.mode == "required":
+            return StructuredOutputsParams(json=self._required_schema(), param="tools")
+        return None
+
+    def _required_schema(self) -> dict[str, Any]:
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": name},
+                    "parameters": function["parameters"],
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, function in self.functions.items()
+        ]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+def tool_request(tools: Any, tool_choice: Any) -> ToolRequest | None:
+    """Validate `tools` and `tool_choice` (400 naming the field); None when there are none."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, "tools must be a non-empty list of function tools", "tools")
+    checked = [_check_tool(i, tool) for i, tool in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise APIError(400, f"tools name the function {duplicate!r} twice", "tools")
+    return ToolRequest(checked, _check_choice(tool_choice, set(names)))
+
+
+def _check_tool(index: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise APIError(400, f"{where} must be an object with type 'function'", where)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise APIError(400, f"{where}.function must be an object", f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"{where}.function.name must be a non-empty string", where)
+    parameters = function.get("parameters")
+    if not isinstance(parameters, dict):
+        # Calls are decoded against this schema: without one there is nothing to hold the
+        # arguments to. A function without arguments says {"type": "object"}.
+        raise APIError(
+            400,
+            f"{where}.function.parameters must be a JSON schema object "
+            '(use {"type": "object", "properties": {}} for no arguments)',
+            f"{where}.function.parameters",
+        )
+    return {"type": "function", "function": dict(function)}
+
+
+def _check_choice(choice: Any, names: set[str]) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto")
+    if choice in ("none", "auto", "required"):
+        return ToolChoice(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names the function {name!r}, which is not among the tools "
+                f"({', '.join(sorted(names))})",
+                "tool_choice",
+            )
+        return ToolChoice("named", name)
+    raise APIError(
+        400,
+        "tool_choice must be none, auto, required or "
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
