@@ -10,6 +10,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from forklift.tokenizer import Tokenizer as ForkliftTokenizer
+
 VOCAB = 256
 
 _COMMON = dict(
@@ -160,3 +162,25 @@ def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0, **overrides) 
             elif name.endswith("dt_bias"):
                 param.normal_(0, 1.0)
     return _save(model, directory)
+
+
+def make_tiny_byte_level_model(directory: Path, tokenizer: ForkliftTokenizer) -> TinyModel:
+    """A tiny random Llama over a real byte-level BPE vocabulary (the default model's), so
+    text such as JSON can be written token by token; random weights never write it alone."""
+    config = transformers.LlamaConfig(
+        **{
+            **_COMMON,
+            "vocab_size": tokenizer.vocab_size,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save(directory)
+    return TinyModel(directory, model)
