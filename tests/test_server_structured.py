@@ -1,0 +1,284 @@
+"""Structured outputs and tool calls through the server, driven by the official openai client
+on a tiny random model (it never writes JSON or calls a tool by itself)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_harness import running_server
+from tiny_models import make_tiny_byte_level_model
+
+from forklift.config import EngineConfig
+from forklift.engine.engine import LLMEngine
+from forklift.server.app import build_app
+from forklift.tokenizer import Tokenizer
+
+MODEL = "tiny"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+@pytest.fixture(scope="module")
+def server(default_source, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-byte-level-server")
+    make_tiny_byte_level_model(directory, Tokenizer.from_gguf(default_source.gguf_reader()))
+    engine = LLMEngine(
+        EngineConfig(model=str(directory), dtype="float32", max_model_len=512, enforce_eager=True)
+    )
+    with running_server(build_app(engine, MODEL)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def reassemble(stream) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """(content, tool calls by index, finish reason) the way a client rebuilds a stream."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += (delta.function.name or "") if delta.function else ""
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(client, stream):
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=100,
+        seed=1,
+        n=2,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+        },
+    )
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        texts = ["", ""]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        texts = [c.message.content for c in reply.choices]
+        assert all(c.finish_reason == "stop" for c in reply.choices)
+    for text in texts:
+        jsonschema.validate(json.loads(text), WEATHER)
+
+
+def test_json_object_and_vllm_fields(client, server):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+        extra_body={"structured_outputs": None},
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="Pick:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+    )
+    assert completion.choices[0].text in ("left", "right")
+    for body, check in [
+        ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"guided_json": TIME}, lambda t: jsonschema.validate(json.loads(t), TIME) is None),
+        ({"guided_grammar": 'root ::= "A" [0-9] [0-9]'}, lambda t: re.fullmatch(r"A\d\d", t)),
+    ]:
+        text = httpx.post(
+            server + "/v1/completions",
+            json={"prompt": "Answer:", "max_tokens": 40, **body},
+            timeout=60,
+        ).json()["choices"][0]["text"]
+        assert check(text), (body, text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_function_call_parses_into_its_schema(client, stream):
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=100,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    if stream:
+        content, calls, finish = reassemble(client.chat.completions.create(stream=True, **kwargs))
+        assert content == ""
+        (call,) = calls.values()
+        name, arguments, call_id = call["name"], call["arguments"], call["id"]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        assert message.content is None
+        (tool_call,) = message.tool_calls
+        name, arguments, call_id = (
+            tool_call.function.name, tool_call.function.arguments, tool_call.id
+        )  # fmt: skip
+    assert finish == "tool_calls"
+    assert name == "get_weather" and call_id.startswith("call_")
+    jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_one_or_more_tools(client, stream):
+    kwargs = dict(
+        model=MODEL, messages=ASK, max_tokens=200, tools=TOOLS, tool_choice="required", seed=3
+    )
+    if stream:
+        _, by_index, finish = reassemble(client.chat.completions.create(stream=True, **kwargs))
+        calls = [(c["name"], c["arguments"]) for c in by_index.values()]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        finish = reply.choices[0].finish_reason
+        calls = [
+            (c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls
+        ]
+    assert finish == "tool_calls" and calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_a_hermes_call_and_keeps_the_text_before_it(client, stream):
+    # The tiny model would never call a tool; a regex makes it write one in Hermes format.
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=100,
+        tools=TOOLS,
+        extra_body={"guided_regex": r"Let me check\. " + call},
+    )
+    if stream:
+        content, by_index, finish = reassemble(
+            client.chat.completions.create(stream=True, **kwargs)
+        )
+        calls = [(c["name"], c["arguments"]) for c in by_index.values()]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        content = message.content
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert content.strip() == "Let me check."
+    assert finish == "tool_calls"
+    ((name, arguments),) = calls
+    assert name == "get_time" and json.loads(arguments)["zone"] in ("UTC", "CET")
+
+
+def test_tool_results_round_trip_through_the_template(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=5,
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                }
+            },  # noqa: E501
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}}, "guided_json"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools[0].function.parameters",
+        ),  # noqa: E501
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),  # noqa: E501
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "guided_choice"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+                ],
+                "tool_choice": "required",
+            },  # noqa: E501
+            "tools",
+        ),
+    ],
+)
+def test_bad_constraints_are_a_400_naming_the_field(server, body, param):
+    response = httpx.post(
+        server + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
