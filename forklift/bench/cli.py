@@ -30,6 +30,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_startup(bench_sub)
     _add_soak(bench_sub)
     _add_hybrid(bench_sub)
+    _add_structured(bench_sub)
 
 
 def _add_memory(bench_sub: argparse._SubParsersAction) -> None:
@@ -410,6 +411,38 @@ def _cmd_hybrid(args: argparse.Namespace) -> int:
     command = ["forklift", "bench", "hybrid"] + (["--quick"] if args.quick else [])
     for flag, value in (("--dtypes", args.dtypes), ("--contexts", args.contexts),
                         ("--batch-sizes", args.batch_sizes)):  # fmt: skip
+        command += [flag, value] if value else []
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    return 0
+
+
+def _add_structured(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "structured", help="decode under a JSON schema vs free text, batch 1 and 8"
+    )
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="a few tokens, seconds")
+    parser.add_argument("--out-dir", default="benchmarks")
+    parser.set_defaults(func=_cmd_structured)
+
+
+def _cmd_structured(args: argparse.Namespace) -> int:
+    from forklift.bench.structured import (
+        StructuredSettings,
+        render_markdown,
+        run_structured_bench,
+        write_report,
+    )
+
+    overrides: dict[str, Any] = {"model": args.model}
+    if args.batch_sizes is not None:
+        overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
+    settings = (StructuredSettings.quick if args.quick else StructuredSettings)(**overrides)
+    report = run_structured_bench(settings)
+    command = ["forklift", "bench", "structured"] + (["--quick"] if args.quick else [])
+    for flag, value in (("--model", args.model), ("--batch-sizes", args.batch_sizes)):
         command += [flag, value] if value else []
     report["command"] = shlex.join(command)
     announce(write_report(report, Path(args.out_dir)), render_markdown(report))
