@@ -71,7 +71,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """`tools` (OpenAI function tools) go to the chat template, as HF passes them; hold
+        a call to a schema with `SamplingParams.structured_outputs`."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
@@ -81,6 +84,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             # The template already placed any BOS token.

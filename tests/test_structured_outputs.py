@@ -228,6 +228,8 @@ def test_params_need_exactly_one_option():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="choice must be"):
         StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="choice must be"):
+        StructuredOutputsParams(choice="yes")  # a string is not a list of choices
     with pytest.raises(ValueError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"json": {}})
 

@@ -56,7 +56,11 @@ class StructuredOutputsParams:
             raise StructuredOutputsError(self.param, "json must be a JSON schema object")
         if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
             raise StructuredOutputsError(self.param, f"{kind} must be a non-empty string")
-        if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
+        if kind == "choice" and (
+            not isinstance(value, tuple)  # a bare string would pass as a list of characters
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
             raise StructuredOutputsError(self.param, "choice must be a list of non-empty strings")
         if kind == "json_object" and value is not True:
             raise StructuredOutputsError(self.param, "json_object must be true")
