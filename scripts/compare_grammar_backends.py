@@ -87,7 +87,9 @@ def main() -> None:
 
         def xg_compile(spec: Any = spec, case: str = case) -> Any:
             compiled = (
-                compiler.compile_json_schema(json.dumps(spec), any_whitespace=False)
+                compiler.compile_json_schema(
+                    json.dumps(spec), any_whitespace=False, separators=(",", ":")
+                )
                 if case == "json schema"
                 else compiler.compile_regex(spec)
             )
