@@ -70,6 +70,8 @@ class StepRecord:
     num_batched_tokens: int
     num_sampled: int
     num_preempted: int
+    # Prompt tokens computed (the rest of num_batched_tokens recompute or decode outputs).
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -459,6 +461,10 @@ class LLMEngine:
                 sched.num_batched_tokens,
                 sampled,
                 len(sched.preempted),
+                sum(
+                    max(min(s.start + s.num_new_tokens, s.request.num_prompt_tokens) - s.start, 0)
+                    for s in sched.scheduled
+                ),
             )
         )
 

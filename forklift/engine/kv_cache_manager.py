@@ -119,6 +119,10 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     # ---- tables --------------------------------------------------------------------------
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table (a read-only view: do not modify the lists)."""
+        return self._tables
+
     def allocate_slots(
         self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()
     ) -> bool:

@@ -35,6 +35,7 @@ from forklift.server.protocol import (
     TokenizeRequest,
 )
 from forklift.server.serving import ServerContext
+from forklift.server.status import STATUS_JSON_PATH, SnapshotSource, add_status_routes
 from forklift.server.tool_parsers import make_parser
 
 
@@ -67,6 +68,8 @@ def build_app(
     if api_key is not None:
         install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)
+    app.state.status = SnapshotSource(async_engine, metrics.history, served_model_name)
+    add_status_routes(app, app.state.status)
     if enable_trainer_routes:
         add_admin_routes(app, ctx)
     return app
@@ -181,7 +184,7 @@ def install_api_key_check(app: FastAPI, api_key: str) -> None:
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         path = request.url.path
-        if path.startswith("/v1") or path in ADMIN_PATHS:
+        if path.startswith("/v1") or path in ADMIN_PATHS or path == STATUS_JSON_PATH:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid API key")

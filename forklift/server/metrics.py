@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from forklift.engine.engine import LLMEngine
 from forklift.outputs import RequestOutput
+from forklift.server.status_history import StatusHistory
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -31,6 +32,9 @@ class ServerMetrics:
     _seen_preemptions: int = 0
     _seen_prefix_queries: int = 0
     _seen_prefix_hits: int = 0
+    _seen_step: int = 0
+    # The status page's charts: the last minutes in buckets.
+    history: StatusHistory = field(default_factory=StatusHistory)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -77,10 +81,26 @@ class ServerMetrics:
             self.preemptions.inc(new_preemptions)
             self._seen_preemptions = scheduler.num_preemptions
         stats = engine.prefix_cache_stats()
-        self.prefix_queries.inc(stats.query_tokens - self._seen_prefix_queries)
-        self.prefix_hits.inc(stats.hit_tokens - self._seen_prefix_hits)
+        new_queries = stats.query_tokens - self._seen_prefix_queries
+        new_hits = stats.hit_tokens - self._seen_prefix_hits
+        self.prefix_queries.inc(new_queries)
+        self.prefix_hits.inc(new_hits)
         self._seen_prefix_queries, self._seen_prefix_hits = stats.query_tokens, stats.hit_tokens
         now = time.time()
+        step = engine.step_log[-1] if engine.step_log else None
+        fresh = step is not None and step.index != self._seen_step
+        self.history.record_step(
+            now,
+            step.num_prompt_tokens if fresh and step else 0,
+            step.num_sampled if fresh and step else 0,
+            engine.kv_cache.usage(),
+            scheduler.num_running,
+            scheduler.num_waiting,
+            new_queries,
+            new_hits,
+        )
+        if fresh and step:
+            self._seen_step = step.index
         for output in outputs:
             self._observe_output(output, now)
 
@@ -93,8 +113,10 @@ class ServerMetrics:
             if progress.last_token_time is None:
                 if output.metrics is not None:
                     self.ttft.observe(now - output.metrics.arrival_time)
+                    self.history.record_ttft(now, now - output.metrics.arrival_time)
             else:
                 self.itl.observe((now - progress.last_token_time) / new)
+                self.history.record_itl(now, (now - progress.last_token_time) / new)
             progress.tokens, progress.last_token_time = tokens, now
         if output.finished:
             self.observe_finished(output, now)

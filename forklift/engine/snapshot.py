@@ -1,0 +1,176 @@
+"""A picture of the engine between two steps: every KV block's state, the queues, the config.
+
+Taken on the engine thread (nothing moves while it is read) in one pass over the blocks and
+one over the requests' block tables. Plain data, ready for JSON: the status page draws it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from forklift.engine.block_pool import NULL_BLOCK_ID, BlockPool
+from forklift.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from forklift.engine.engine import LLMEngine
+
+# Cell states, in the order a group of blocks shows them (the first one present wins).
+HELD_CACHED = 0  # held by a request, and registered in the prefix cache
+HELD = 1  # held by a request
+CACHED = 2  # free, but holds a cached prefix a later request can take back
+FREE = 3
+NULL = 4  # block 0, never handed out
+STATE_NAMES = ("held_cached", "held", "cached", "free", "null")
+
+# Above this many blocks, cells stand for groups of consecutive blocks.
+MAX_CELLS = 4096
+
+
+@dataclass
+class BlockMap:
+    """One cell per block, or per `group` consecutive blocks on big caches."""
+
+    group: int
+    num_blocks: int
+    states: list[int]  # STATE_NAMES index per cell
+    held: list[int]  # blocks of the cell held by requests
+    # Index into the snapshot's `requests` of the first holder of each cell (-1: none), and
+    # how many block-table entries point into the cell (above `held` when blocks are shared).
+    owner: list[int]
+    references: list[int]
+
+
+@dataclass
+class RequestView:
+    request_id: str
+    status: str  # "running" | "waiting" | "preempted"
+    phase: str  # "prefill" | "decode" | "queued"
+    prompt_tokens: int
+    output_tokens: int
+    computed_tokens: int
+    blocks: int
+    age_s: float
+    preemptions: int
+    cached_tokens: int
+    cells: list[int] = field(default_factory=list)  # block-map cells its blocks fall in
+
+
+@dataclass
+class EngineSnapshot:
+    time: float
+    config: dict[str, Any]
+    kv: dict[str, Any]
+    blocks: BlockMap
+    requests: list[RequestView] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapshot:
+    """Read the engine as it stands; call it between steps (on the engine thread)."""
+    now = time.time()
+    scheduler = engine.scheduler
+    kv = engine.kv_cache
+    # Running first (admission order), then the waiting queue in its order.
+    queued: list[Request] = [*scheduler.running, *scheduler.waiting]
+    tables = kv.block_tables()
+    requests = [_view(r, len(tables.get(r.request_id, ())), now) for r in queued]
+    index = {r.request_id: i for i, r in enumerate(queued)}
+    blocks = _block_map(kv.pool, tables, index, max_cells)
+    for view in requests:
+        group = blocks.group
+        view.cells = sorted({b // group for b in tables.get(view.request_id, ())})
+    pool = kv.pool
+    return EngineSnapshot(
+        time=now,
+        config=engine_config(engine),
+        kv={
+            "usable_blocks": pool.num_usable_blocks,
+            "free_blocks": pool.num_free_blocks,
+            "cached_blocks": pool.num_cached_blocks,
+            "usage": pool.usage(),
+            "evictions": pool.num_evictions,
+            "preemptions": scheduler.num_preemptions,
+        },
+        blocks=blocks,
+        requests=requests,
+    )
+
+
+def engine_config(engine: LLMEngine) -> dict[str, Any]:
+    config = engine.config
+    return {
+        "model": str(engine.model_source.path.name),
+        "architecture": engine.model_config.architecture,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
+        "device": str(engine.device),
+        "block_size": config.block_size,
+        "num_blocks": engine.kv_plan.num_blocks,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+        "decode_step_prefill_tokens": engine.scheduler.decode_step_prefill_tokens,
+        "max_model_len": engine.max_model_len,
+        "prefix_caching": engine.kv_cache.enable_prefix_caching,
+        "weight_version": engine.weight_version,
+        "sleep_level": engine.sleep_level,
+    }
+
+
+def _view(request: Request, num_blocks: int, now: float) -> RequestView:
+    if request.status == RequestStatus.RUNNING:
+        # A request computing all but its newest token is decoding; anything more is a
+        # prompt chunk (or the recompute of a preempted request).
+        decoding = request.num_computed_tokens >= request.num_tokens - 1
+        phase = "decode" if decoding and request.num_output_tokens else "prefill"
+        status = "running"
+    else:
+        phase = "queued"
+        status = "preempted" if request.status == RequestStatus.PREEMPTED else "waiting"
+    return RequestView(
+        request_id=request.request_id,
+        status=status,
+        phase=phase,
+        prompt_tokens=request.num_prompt_tokens,
+        output_tokens=request.num_output_tokens,
+        computed_tokens=request.num_computed_tokens,
+        blocks=num_blocks,
+        age_s=max(now - request.arrival_time, 0.0) if request.arrival_time else 0.0,
+        preemptions=request.num_preemptions,
+        cached_tokens=request.num_cached_tokens,
+    )
+
+
+def _block_map(
+    pool: BlockPool, tables: dict[str, list[int]], index: dict[str, int], max_cells: int
+) -> BlockMap:
+    num_blocks = pool.num_blocks
+    group = max(1, math.ceil(num_blocks / max_cells))
+    cells = math.ceil(num_blocks / group)
+    states = [FREE] * cells
+    held = [0] * cells
+    owner = [-1] * cells
+    references = [0] * cells
+    for block in pool.blocks:
+        cell = block.block_id // group
+        if block.block_id == NULL_BLOCK_ID:
+            state = NULL
+        elif block.ref_cnt > 0:
+            state = HELD_CACHED if block.key is not None else HELD
+            held[cell] += 1
+        else:
+            state = CACHED if block.key is not None else FREE
+        if state < states[cell] or (state == NULL and states[cell] == FREE):
+            states[cell] = state
+    for request_id, table in tables.items():
+        position = index.get(request_id, -1)
+        for block_id in table:
+            cell = block_id // group
+            references[cell] += 1
+            if owner[cell] < 0:
+                owner[cell] = position
+    return BlockMap(group, num_blocks, states, held, owner, references)
