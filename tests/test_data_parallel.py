@@ -147,6 +147,18 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(dp_url):
     assert len({r.headers["x-forklift-replica"] for r in mixed}) == 2
 
 
+def test_the_status_snapshot_has_one_panel_per_replica(dp_url):
+    page = httpx.get(f"{dp_url}/status")
+    assert page.status_code == 200 and 'id="panels"' in page.text
+    replicas = httpx.get(f"{dp_url}/status.json").json()["replicas"]
+    assert [r["index"] for r in replicas] == [0, 1]
+    for replica in replicas:
+        assert replica["healthy"] and replica["error"] is None
+        snapshot = replica["status"]["snapshot"]
+        assert snapshot["config"]["block_size"] == 4
+        assert len(snapshot["blocks"]["states"]) == snapshot["config"]["num_blocks"]
+
+
 def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(dp_url):
     table = httpx.get(f"{dp_url}/v1/replicas").json()["data"]
     victim = table[0]

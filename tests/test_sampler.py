@@ -143,3 +143,14 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from():
     assert out.logprobs[0] == pytest.approx(kept[out.token_ids[0] - 1].item())
     assert out.top_logprobs[0][:2] == pytest.approx(kept.tolist())
     assert out.top_logprobs[0][2] == float("-inf")
+
+
+def test_noise_stays_below_one_so_gumbel_is_finite():
+    # Seed 0, step 242, token 17196 hashes to the top 24-bit value, which a float32
+    # (bits + 0.5) / 2**24 rounds to exactly 1.0: infinite noise that would pick any token,
+    # even one masked to -inf.
+    seeds, steps = torch.tensor([0]), torch.tensor([242])
+    uniform = hashed_uniform(seeds, steps, 49152)
+    assert float(uniform[0, 17196]) == 1.0 - 2.0**-24 and bool((uniform < 1).all())
+    gumbel = -torch.log(-torch.log(uniform))
+    assert bool(torch.isfinite(gumbel).all())

@@ -182,6 +182,36 @@ def test_prefix_cache_hits_leave_the_grammar_alone(llm):
     assert_valid_people(second)
 
 
+def test_sampling_never_leaves_the_grammar(llm):
+    # 400 samples of a choice at temperature 1: every one of them is a choice. (Before the
+    # noise was kept below 1, about one draw in 300 picked a masked token.)
+    choices = ["yes", "no"]
+    params = SamplingParams(
+        n=20, max_tokens=5, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    outputs = llm.generate(
+        [f"Pick {i}:" for i in range(20)],
+        [params.clone(seed=i) for i in range(20)],
+        use_tqdm=False,
+    )
+    assert {c.text for o in outputs for c in o.outputs} <= set(choices)
+
+
+def test_a_grammar_outranks_bans_that_would_leave_no_token(llm, caplog):
+    # The regex allows one token, which min_tokens (and the stop id) would ban; the grammar
+    # wins instead of a masked row sampling garbage.
+    only = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    params = SamplingParams(
+        max_tokens=5,
+        min_tokens=2,
+        stop_token_ids=only,
+        structured_outputs=StructuredOutputsParams(regex="a"),
+    )
+    (output,) = llm.generate("x", params, use_tqdm=False)
+    assert output.outputs[0].text == "a" and output.outputs[0].finish_reason == "stop"
+    assert "breaks its grammar" not in caplog.text
+
+
 def test_streamed_deltas_add_up_to_valid_json(llm):
     engine = llm.llm_engine
     engine.add_request("stream", "Stream it:", schema_params(seed=4))

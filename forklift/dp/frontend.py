@@ -29,6 +29,7 @@ from forklift.server.app import install_api_key_check
 from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.errors import error_response
 from forklift.server.limits import ServerLimits
+from forklift.server.status import STATUS_JSON_PATH, status_page
 
 logger = logging.getLogger("forklift")
 
@@ -282,6 +283,26 @@ class Frontend:
             for r in self.router.replicas
         ]
 
+    async def status(self, headers: dict[str, str]) -> dict[str, Any]:
+        """Every replica's status snapshot, one entry each (a down one says why)."""
+
+        async def one(replica: Any) -> dict[str, Any]:
+            entry = {"index": replica.index, "url": replica.url, "healthy": replica.healthy}
+            if not replica.url:
+                return {**entry, "status": None, "error": "not started"}
+            try:
+                answer = await self.client.get(
+                    f"{replica.url}{STATUS_JSON_PATH}", headers=headers, timeout=5.0
+                )
+            except httpx.HTTPError as exc:
+                return {**entry, "status": None, "error": f"unreachable: {exc}"}
+            if answer.status_code != 200:
+                return {**entry, "status": None, "error": f"HTTP {answer.status_code}"}
+            return {**entry, "status": answer.json(), "error": None}
+
+        replicas = await asyncio.gather(*(one(r) for r in self.router.replicas))
+        return {"replicas": list(replicas)}
+
     def metrics_text(self) -> str:
         series = {
             "replica_healthy": ("gauge", "1 while the replica answers", "healthy"),
@@ -347,6 +368,14 @@ def build_frontend_app(frontend: Frontend, startup: Callable[[], Awaitable[None]
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(frontend.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/status", include_in_schema=False)
+    async def status_html() -> Response:
+        return Response(status_page(), media_type="text/html; charset=utf-8")
+
+    @app.get(STATUS_JSON_PATH)
+    async def status_json(request: Request) -> dict[str, Any]:
+        return await frontend.status(_forwarded_headers(request))
 
     @app.get("/v1/replicas")
     async def replicas() -> dict[str, Any]:

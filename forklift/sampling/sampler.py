@@ -32,9 +32,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [N, vocab] float32."""
     num_logprobs = batch.max_num_logprobs
     raw = logits
-    logits = _ban_tokens(logits, batch.banned_token_ids)
     if batch.token_bitmask is not None:
-        logits = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
+        allowed = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
+        logits = _ban_tokens(allowed, batch.banned_token_ids)
+        # A grammar row whose every allowed token is banned (min_tokens holding back the
+        # EOS a complete grammar needs, a stop id it must write): the grammar wins.
+        emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        logits = torch.where(emptied, allowed, logits)
+    else:
+        logits = _ban_tokens(logits, batch.banned_token_ids)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
     token_ids = logits.argmax(dim=-1)
@@ -145,7 +151,9 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     x = (x ^ _logical_shift(x, 27)) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
     x = x ^ _logical_shift(x, 31)
     bits = _logical_shift(x, 40)  # top 24 bits
-    return (bits.float() + 0.5) / float(1 << 24)
+    # (2**24 - 0.5) / 2**24 rounds to 1.0 in float32, whose Gumbel noise is +inf: it would
+    # beat every logit, -inf ones (masked, truncated) included. Keep below 1.
+    return ((bits.float() + 0.5) / float(1 << 24)).clamp(max=1.0 - 2.0**-24)
 
 
 def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:

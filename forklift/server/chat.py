@@ -106,7 +106,7 @@ async def create_chat_completion(
     if finals is None:
         return None
     output = finals[0]
-    parser = make_parser(ctx.tool_call_parser)
+    parser = make_parser(ctx.tool_call_parser, tools.names if tools else None)
     choices = []
     for c in output.outputs:
         message, finish_reason = final_message(c.text, c.finish_reason, tools, parser)
@@ -139,7 +139,7 @@ async def _stream(
     progress: dict[int, ChoiceProgress] = {}
     streamers: dict[int, ToolCallStreamer] = {}
     final: RequestOutput | None = None
-    parser = make_parser(ctx.tool_call_parser)
+    parser = make_parser(ctx.tool_call_parser, tools.names if tools else None)
 
     def chunk(choice: dict[str, Any]) -> str:
         return sse(

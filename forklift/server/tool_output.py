@@ -12,9 +12,9 @@ from forklift.server.tools import ToolRequest
 def parse_choice(text: str, tools: ToolRequest, parser: ToolCallParser) -> ParsedOutput:
     mode = tools.choice.mode
     if mode == "named":
-        return ParsedOutput(None, [ToolCall(tools.choice.name or "", text)])
+        return ParsedOutput("", [ToolCall(tools.choice.name or "", text)])
     if mode == "required":
-        return ParsedOutput(None, calls_from_array(text))
+        return ParsedOutput("", calls_from_array(text))
     return parser.parse(text)
 
 
@@ -41,8 +41,9 @@ class ToolCallStreamer:
     """Turns a growing choice text into `delta` objects for chat.completion.chunk.
 
     A named function streams its arguments as they are generated. Otherwise content
-    streams until a call begins; calls are sent whole once the choice is finished (the
-    openai client reassembles either form)."""
+    streams until a call begins; calls are sent whole once the choice is finished, with any
+    text between or after them (the openai client reassembles either form). Content that
+    is only whitespace before a call is held back, as the whole message strips it."""
 
     tools: ToolRequest
     parser: ToolCallParser
@@ -55,18 +56,23 @@ class ToolCallStreamer:
         mode = self.tools.choice.mode
         if mode == "named":
             return self._named(text)
-        if mode == "required":
-            return self._whole_calls(calls_from_array(text)) if finished else []
+        if not finished:
+            if mode == "required":
+                return []
+            start = self.parser.call_start(text)
+            end = start if start is not None else self.parser.safe_content_end(text)
+            if start is not None and not text[self._sent_content : end].strip():
+                return []
+            return self._content_up_to(text, end)
+        parsed = parse_choice(text, self.tools, self.parser)
+        if not parsed.tool_calls:  # no call after all: the whole text is the answer
+            return self._content_up_to(text, len(text))
+        # Everything streamed so far came before the first call, so it is a prefix of the
+        # text outside the calls.
         out = []
-        start = self.parser.call_start(text)
-        if finished:
-            parsed = self.parser.parse(text)
-            if not parsed.tool_calls:
-                return self._content_up_to(text, len(text))
-            out = self._content_up_to(text, start if start is not None else len(text))
-            return out + self._whole_calls(parsed.tool_calls)
-        end = start if start is not None else self.parser.safe_content_end(text)
-        return self._content_up_to(text, end)
+        if parsed.content is not None:
+            out = self._content_up_to(parsed.raw_content, len(parsed.raw_content))
+        return out + self._whole_calls(parsed.tool_calls)
 
     @property
     def called(self) -> bool:

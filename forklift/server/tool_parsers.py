@@ -35,15 +35,31 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    content: str | None
+    # The text outside the calls, as generated (streaming sends exactly this).
+    raw_content: str
     tool_calls: list[ToolCall]
+
+    @property
+    def content(self) -> str | None:
+        return self.raw_content.strip() or None
 
 
 class ToolCallParser:
-    """Base: subclasses find calls in finished text and call starts in partial text."""
+    """Base: subclasses find calls in finished text and call starts in partial text.
+
+    With `tool_names`, only calls of those functions count; anything else that merely looks
+    like a call stays text."""
 
     # Text a call may begin with; a partial one at the end of streamed text is held back.
     start_marker = ""
+
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        self.tool_names = tool_names
+
+    def _known(self, call: ToolCall | None) -> ToolCall | None:
+        if call is None or (self.tool_names is not None and call.name not in self.tool_names):
+            return None
+        return call
 
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
@@ -79,7 +95,7 @@ class HermesParser(ToolCallParser):
             body_start = start + len(self.start_marker)
             end = rest.find(self.end_marker, body_start)
             body = rest[body_start:] if end < 0 else rest[body_start:end]
-            call = _call_from_json(body, ("arguments", "parameters"))
+            call = self._known(_call_from_json(body, ("arguments", "parameters"), False))
             if call is None:  # not a call after all: keep it as text
                 content.append(
                     rest[start:] if end < 0 else rest[start : end + len(self.end_marker)]
@@ -89,7 +105,7 @@ class HermesParser(ToolCallParser):
             if end < 0:
                 break
             rest = rest[end + len(self.end_marker) :]
-        return ParsedOutput(_content("".join(content)), calls)
+        return ParsedOutput("".join(content), calls)
 
     def call_start(self, text: str) -> int | None:
         index = text.find(self.start_marker)
@@ -102,15 +118,17 @@ class Llama3JsonParser(ToolCallParser):
     def parse(self, text: str) -> ParsedOutput:
         start = self.call_start(text)
         if start is None:
-            return ParsedOutput(_content(text), [])
+            return ParsedOutput(text, [])
         body = text[start:].removeprefix(self.start_marker).strip()
         calls = []
         for piece in _split_json_objects(body):
-            call = _call_from_json(piece, ("parameters", "arguments"))
+            # Any JSON object might carry a "name": only a known function with its
+            # parameters is a call.
+            call = self._known(_call_from_json(piece, ("parameters", "arguments"), True))
             if call is None:
-                return ParsedOutput(_content(text), [])
+                return ParsedOutput(text, [])
             calls.append(call)
-        return ParsedOutput(_content(text[:start]), calls)
+        return ParsedOutput(text[:start], calls)
 
     def call_start(self, text: str) -> int | None:
         index = text.find(self.start_marker)
@@ -125,11 +143,11 @@ class Llama3JsonParser(ToolCallParser):
         return super().safe_content_end(text)
 
 
-def make_parser(name: str) -> ToolCallParser:
+def make_parser(name: str, tool_names: frozenset[str] | None = None) -> ToolCallParser:
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(tool_names)
     if name == "llama3_json":
-        return Llama3JsonParser()
+        return Llama3JsonParser(tool_names)
     raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
 
 
@@ -141,20 +159,26 @@ def calls_from_array(text: str) -> list[ToolCall]:
         return []
     if not isinstance(items, list):
         return []
-    calls = [_call_from_value(item, ("parameters", "arguments")) for item in items]
+    calls = [_call_from_value(item, ("parameters", "arguments"), False) for item in items]
     return [c for c in calls if c is not None]
 
 
-def _call_from_json(text: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
+def _call_from_json(
+    text: str, argument_keys: tuple[str, ...], require_arguments: bool
+) -> ToolCall | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    return _call_from_value(value, argument_keys)
+    return _call_from_value(value, argument_keys, require_arguments)
 
 
-def _call_from_value(value: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
+def _call_from_value(
+    value: Any, argument_keys: tuple[str, ...], require_arguments: bool
+) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if require_arguments and not any(k in value for k in argument_keys):
         return None
     arguments = next((value[k] for k in argument_keys if k in value), {})
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -175,8 +199,3 @@ def _split_json_objects(text: str) -> list[str]:
         while index < len(text) and text[index] in " \t\n;":
             index += 1
     return pieces
-
-
-def _content(text: str) -> str | None:
-    text = text.strip()
-    return text or None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from forklift.server.errors import APIError
 from forklift.server.tools import ToolRequest
 
 _CALL_FORMATS = {
@@ -37,9 +38,14 @@ def prepare_conversation(
     template: str | None,
     parser: str,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools for the template) for one chat request."""
+    """(messages, tools for the template) for one chat request; 400 naming the message when
+    a tool call or tool result is malformed."""
+    for index, message in enumerate(conversation):
+        _check_message(index, message)
     if template_knows_tools(template):
-        return conversation, tools.template_tools if tools else None
+        # Templates write `arguments | tojson`: they expect the object, not its JSON text.
+        messages = [_with_argument_objects(m) for m in conversation]
+        return messages, tools.template_tools if tools else None
     messages = [_as_text(message, parser) for message in conversation]
     if tools is not None and tools.choice.mode != "none":
         messages = _with_instructions(messages, _instructions(tools, parser))
@@ -59,16 +65,56 @@ def _instructions(tools: ToolRequest, parser: str) -> str:
 def _with_instructions(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     if messages and messages[0].get("role") == "system":
         first = messages[0]
-        merged = f"{first.get('content') or ''}\n\n{text}".strip()
+        merged = f"{_text_of(first.get('content')) or ''}\n\n{text}".strip()
         return [{**first, "content": merged}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def _check_message(index: int, message: dict[str, Any]) -> None:
+    where = f"messages[{index}]"
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise APIError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        for position, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not isinstance(arguments, str | dict | None):
+                spot = f"{where}.tool_calls[{position}]"
+                raise APIError(
+                    400,
+                    f"{spot} must be {{'function': {{'name': str, 'arguments': JSON text}}}}",
+                    spot,
+                )
+    content = message.get("content")
+    if isinstance(content, list) and not all(
+        isinstance(part, dict) and isinstance(part.get("text"), str) for part in content
+    ):
+        raise APIError(400, f"{where}.content parts must carry text", f"{where}.content")
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    rewritten = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass  # left as the text the client sent
+        rewritten.append({**call, "function": function})
+    return {**message, "tool_calls": rewritten}
 
 
 def _as_text(message: dict[str, Any], parser: str) -> dict[str, Any]:
     """An assistant turn's tool calls and a tool result, written as plain text."""
     calls = message.get("tool_calls")
     if message.get("role") == "assistant" and calls:
-        written = [_written_call(call, parser) for call in calls if isinstance(call, dict)]
+        written = [_written_call(call, parser) for call in calls]
         text = "\n".join(filter(None, [_text_of(message.get("content")), *written]))
         return {"role": "assistant", "content": text}
     if message.get("role") == "tool":
@@ -92,6 +138,6 @@ def _written_call(call: dict[str, Any], parser: str) -> str:
 def _text_of(content: Any) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # parts, checked by _check_message
+        return "\n".join(part["text"] for part in content)
     return str(content)

@@ -34,6 +34,10 @@ class ToolRequest:
         return {t["function"]["name"]: t["function"] for t in self.tools}
 
     @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.functions)
+
+    @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What the chat template gets as `tools` (vLLM passes them even for `none`)."""
         return self.tools or None
@@ -51,19 +55,34 @@ class ToolRequest:
         return None
 
     def _required_schema(self) -> dict[str, Any]:
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": name},
-                    "parameters": function["parameters"],
-                },
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, function in self.functions.items()
-        ]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        calls, definitions = [], {}
+        for name, function in self.functions.items():
+            parameters = dict(function["parameters"])
+            # `#/$defs/X` references (pydantic writes them) point at the document's root:
+            # the tools' definitions move up to the combined schema's root.
+            found = parameters.pop("$defs", {})
+            if not isinstance(found, dict):
+                raise APIError(400, f"tools: {name}'s $defs must be an object", "tools")
+            for key, schema in found.items():
+                if definitions.setdefault(key, schema) != schema:
+                    raise APIError(
+                        400,
+                        f"tools define $defs/{key} differently; tool_choice 'required' needs "
+                        "one meaning per name",
+                        "tools",
+                    )
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": parameters},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if definitions:
+            schema["$defs"] = definitions
+        return schema
 
 
 def tool_request(tools: Any, tool_choice: Any) -> ToolRequest | None:
@@ -113,7 +132,7 @@ def _check_choice(choice: Any, names: set[str]) -> ToolChoice:
     if isinstance(choice, dict) and choice.get("type") == "function":
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise APIError(
                 400,
                 f"tool_choice names the function {name!r}, which is not among the tools "

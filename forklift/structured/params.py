@@ -28,7 +28,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
-    # JSON only: allow any whitespace between tokens (default: compact `, ` and `: `).
+    # JSON only: allow any whitespace between tokens (default: compact `,` and `:`).
     any_whitespace: bool = False
     param: str = field(default="structured_outputs", compare=False)
 
