@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -107,6 +108,47 @@ def test_snapshots_are_rate_limited_and_answer_while_paused_or_asleep(server):
         async_engine.call(lambda engine: engine.wake_up()).result(timeout=30)
 
 
+def test_a_long_step_makes_pollers_wait_once_not_in_line(server):
+    url, app = server
+    async_engine = app.state.ctx.async_engine
+    time.sleep(0.6)
+    blocker = async_engine.call(lambda engine: time.sleep(3.5))  # a step that runs long
+    results: list[tuple[float, bool]] = []
+
+    def poll() -> None:
+        started = time.monotonic()
+        data = get_status(url).json()
+        results.append((time.monotonic() - started, data["state"]["stale"]))
+
+    pollers = [threading.Thread(target=poll) for _ in range(4)]
+    for thread in pollers:
+        thread.start()
+    for thread in pollers:
+        thread.join()
+    blocker.result(timeout=10)
+    # Each gave up after one timeout (2 s), together, with the last snapshot marked stale.
+    assert all(stale for _, stale in results) and max(t for t, _ in results) < 3.2
+    time.sleep(0.6)
+    assert get_status(url).json()["state"]["stale"] is False
+
+
+def test_a_failing_snapshot_is_reported_not_a_500(server, monkeypatch):
+    url, app = server
+    time.sleep(0.6)
+    kv = app.state.ctx.async_engine.engine.kv_cache
+
+    def broken() -> dict:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(kv, "block_tables", broken)
+    response = get_status(url)
+    assert response.status_code == 200
+    assert response.json()["state"]["error"] == "RuntimeError: boom"
+    monkeypatch.undo()
+    time.sleep(0.6)
+    assert get_status(url).json()["state"]["error"] is None
+
+
 def test_in_flight_requests_show_in_the_snapshot_and_history(server):
     url, app = server
     threads = start_load(url, count=4, max_tokens=150)
@@ -148,6 +190,8 @@ def test_the_page_draws_the_block_map_and_queues_in_chromium(server, tmp_path):
         )  # fmt: skip
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(url + "/status")
             # No key yet: the page asks for one instead of drawing.
             page.wait_for_selector("#keyform", state="visible")
@@ -184,6 +228,7 @@ def test_the_page_draws_the_block_map_and_queues_in_chromium(server, tmp_path):
                 "document.querySelector('#legend-main [data-state=\"held\"]').dataset.count === '0'"
             )
             assert page.inner_text("#panel-main .badge") == "running"
+            assert errors == []
         finally:
             app.state.ctx.async_engine.resume()
             browser.close()
@@ -191,3 +236,95 @@ def test_the_page_draws_the_block_map_and_queues_in_chromium(server, tmp_path):
         thread.join()
     wait_until_idle(engine)
     assert (tmp_path / "status.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def replica_status(group: int, held: int) -> dict:
+    """A replica's /status.json as a front end relays it (grouped map, one request)."""
+    cells = 8
+    states = [1] * held + [3] * (cells - held)
+    return {
+        "served_model_name": "tiny",
+        "state": {"paused": False, "accepting": True, "dead": None, "stale": False,
+                  "error": None, "sleep_level": 0},
+        "state_names": ["held_cached", "held", "cached", "free", "null"],
+        "snapshot": {
+            "config": {"model": "m", "architecture": "llama", "dtype": "float32",
+                       "quantization": "none", "device": "cpu", "block_size": 4,
+                       "num_blocks": cells * group, "max_num_seqs": 4,
+                       "max_num_batched_tokens": 64, "max_model_len": 256,
+                       "prefix_caching": True, "weight_version": 3},
+            "kv": {"usage": held / cells},
+            "blocks": {"group": group, "num_blocks": cells * group, "states": states,
+                       "held": [group // 2] * held + [0] * (cells - held),
+                       "owner": [0] * held + [-1] * (cells - held),
+                       "references": [group // 2] * held + [0] * (cells - held)},
+            "requests": [{"request_id": "req-1", "status": "running", "phase": "decode",
+                          "prompt_tokens": 10, "output_tokens": 5, "computed_tokens": 14,
+                          "blocks": 4, "age_s": 1.0, "queued_s": None, "preemptions": 0,
+                          "cells": list(range(held))}],
+            "num_waiting": 0,
+        },
+        "history": None,
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian: apt install chromium)")
+def test_the_front_end_page_draws_one_panel_per_replica(tmp_path):
+    """The page against a data-parallel front end's answer, served by the test itself: a
+    replica with a grouped map, and one that is down."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    from forklift.server.status import status_page
+
+    answers = [
+        {"replicas": [
+            {"index": 0, "url": "http://a", "healthy": True, "status": replica_status(4, 3),
+             "error": None},
+            {"index": 1, "url": "http://b", "healthy": True, "status": replica_status(1, 2),
+             "error": None},
+        ]},
+        {"replicas": [
+            {"index": 0, "url": "http://a", "healthy": True, "status": replica_status(4, 3),
+             "error": None},
+            {"index": 1, "url": "http://b", "healthy": False, "status": None,
+             "error": "unreachable: connection refused"},
+        ]},
+    ]  # fmt: skip
+    served = {"count": 0}
+
+    def answer(route) -> None:
+        body = answers[min(served["count"], 1)]
+        served["count"] += 1
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.route("http://frontend.test/status.json", answer)
+            page.route(
+                "http://frontend.test/status",
+                lambda route: route.fulfill(status=200, content_type="text/html",
+                                            body=status_page()),
+            )  # fmt: skip
+            page.goto("http://frontend.test/status")
+            page.wait_for_selector("#panel-r0 #queue-r0 tr[data-request-id]")
+            assert page.locator("section.panel").count() == 2
+            assert "4 per cell" in page.text_content("#panel-r0 h3")
+            assert page.get_attribute('#legend-r0 [data-state="held"]', "data-count") == "3"
+            assert "cells" in page.inner_text("#legend-r0")
+            # The next answer has replica 1 down: its panel says why and shows no old data.
+            page.wait_for_function(
+                "document.querySelector('#panel-r1 .empty').textContent.includes('unreachable')"
+            )
+            assert not page.locator("#panel-r1 canvas.blockmap").is_visible()
+            assert page.inner_text("#panel-r1 .badge") == "down"
+            assert page.inner_text("#state") == "1/2 replicas up"
+            assert errors == []
+        finally:
+            browser.close()

@@ -7,7 +7,15 @@ from tiny_models import make_tiny_model
 
 from forklift import LLMEngine, SamplingParams
 from forklift.engine.block_pool import NULL_BLOCK_ID
-from forklift.engine.snapshot import CACHED, FREE, HELD, HELD_CACHED, NULL, take_snapshot
+from forklift.engine.snapshot import (
+    CACHED,
+    FREE,
+    HELD,
+    HELD_CACHED,
+    MAX_WAITING_SHOWN,
+    NULL,
+    take_snapshot,
+)
 from forklift.server.status_history import StatusHistory
 
 # 2 layers x 2 KV heads x head_dim 16 x fp32, K and V, 4-token blocks.
@@ -114,6 +122,26 @@ def test_big_caches_are_drawn_in_groups(tiny_dir):
         assert grouped.blocks.held[cell] == sum(full.blocks.held[cell * group : (cell + 1) * group])
     (view,) = grouped.requests
     assert view.cells == sorted({c // group for c in full.requests[0].cells})
+
+
+def test_long_waiting_queues_are_counted_not_listed(tiny_dir):
+    engine = make_engine(tiny_dir)
+    for i in range(MAX_WAITING_SHOWN + 50):
+        engine.add_request(f"w{i}", [5, 6, 7], SamplingParams(max_tokens=2))
+    snapshot = take_snapshot(engine)
+    assert snapshot.num_waiting == MAX_WAITING_SHOWN + 50
+    assert [r.request_id for r in snapshot.requests] == [f"w{i}" for i in range(MAX_WAITING_SHOWN)]
+    assert all(r.queued_s is not None and r.phase == "queued" for r in snapshot.requests)
+    engine.abort_request([f"w{i}" for i in range(MAX_WAITING_SHOWN + 50)])
+
+
+def test_history_carries_the_last_state_through_a_long_pause():
+    history = StatusHistory(interval_s=2.0, span_s=20.0)
+    history.record_step(1000.0, 10, 10, 0.8, 4, 1, 0, 0)
+    assert history.to_json(1010.0)["kv_usage"][-1] == 0.8
+    paused = history.to_json(1400.0)  # far beyond the window: nothing moved since
+    assert set(paused["kv_usage"]) == {0.8} and set(paused["running"]) == {4}
+    assert sum(paused["generation_tps"]) == 0
 
 
 def test_history_rates_percentiles_and_expiry():

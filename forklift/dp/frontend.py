@@ -298,7 +298,10 @@ class Frontend:
                 return {**entry, "status": None, "error": f"unreachable: {exc}"}
             if answer.status_code != 200:
                 return {**entry, "status": None, "error": f"HTTP {answer.status_code}"}
-            return {**entry, "status": answer.json(), "error": None}
+            try:
+                return {**entry, "status": answer.json(), "error": None}
+            except ValueError:
+                return {**entry, "status": None, "error": "the replica's answer is not JSON"}
 
         replicas = await asyncio.gather(*(one(r) for r in self.router.replicas))
         return {"replicas": list(replicas)}

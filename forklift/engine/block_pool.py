@@ -125,6 +125,10 @@ class BlockPool:
         block.key = key
         self._cached[key.digest] = block_id
 
+    def cached_block_ids(self) -> list[int]:
+        """Every block registered in the prefix cache, held or free."""
+        return list(self._cached.values())
+
     def count_free_among(self, block_ids: list[int]) -> int:
         """How many of these (cache-hit) blocks sit in the free list right now."""
         return sum(1 for b in dict.fromkeys(block_ids) if self.blocks[b].ref_cnt == 0)

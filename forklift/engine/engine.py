@@ -418,6 +418,8 @@ class LLMEngine:
             return []
         now = time.time()
         started = time.perf_counter()
+        for request in sched.preempted:
+            request.queued_time = now
         for item in sched.scheduled:
             parent, _ = self._sequences[item.request.request_id]
             if parent.metrics.first_scheduled_time is None:

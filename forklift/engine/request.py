@@ -50,6 +50,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # When it last joined the waiting queue: arrival, or its latest preemption.
+    queued_time: float = 0.0
     # Extra prefix-cache key (weight version, cache salt): chains never cross it.
     cache_key: bytes = b""
     # Prompt tokens found in the prefix cache at first admission.
@@ -65,6 +67,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if not self.queued_time:
+            self.queued_time = self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,15 +1,20 @@
 """A picture of the engine between two steps: every KV block's state, the queues, the config.
 
-Taken on the engine thread (nothing moves while it is read) in one pass over the blocks and
-one over the requests' block tables. Plain data, ready for JSON: the status page draws it.
+Taken on the engine thread (nothing moves while it is read). Free blocks are the default, so
+the cost follows the block tables and the prefix-cache index (vectorised) plus the cells
+(at most MAX_CELLS), never a Python pass over every block of a big cache. Plain data, ready
+for JSON: the status page draws it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from forklift.engine.block_pool import NULL_BLOCK_ID, BlockPool
 from forklift.engine.request import Request, RequestStatus
@@ -27,6 +32,8 @@ STATE_NAMES = ("held_cached", "held", "cached", "free", "null")
 
 # Above this many blocks, cells stand for groups of consecutive blocks.
 MAX_CELLS = 4096
+# Waiting requests listed one by one; the rest are only counted.
+MAX_WAITING_SHOWN = 200
 
 
 @dataclass
@@ -52,7 +59,8 @@ class RequestView:
     output_tokens: int
     computed_tokens: int
     blocks: int
-    age_s: float
+    age_s: float  # since arrival
+    queued_s: float | None  # since it last joined the waiting queue; None while running
     preemptions: int
     cached_tokens: int
     cells: list[int] = field(default_factory=list)  # block-map cells its blocks fall in
@@ -65,9 +73,18 @@ class EngineSnapshot:
     kv: dict[str, Any]
     blocks: BlockMap
     requests: list[RequestView] = field(default_factory=list)
+    num_waiting: int = 0  # all of them, also those beyond MAX_WAITING_SHOWN
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # Built by hand: dataclasses.asdict deep-copies every list, which is most of the cost.
+        return {
+            "time": self.time,
+            "config": self.config,
+            "kv": self.kv,
+            "blocks": vars(self.blocks),
+            "requests": [vars(r) for r in self.requests],
+            "num_waiting": self.num_waiting,
+        }
 
 
 def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapshot:
@@ -75,15 +92,15 @@ def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapsh
     now = time.time()
     scheduler = engine.scheduler
     kv = engine.kv_cache
-    # Running first (admission order), then the waiting queue in its order.
-    queued: list[Request] = [*scheduler.running, *scheduler.waiting]
+    # Running first (admission order), then the head of the waiting queue in its order.
+    waiting = list(itertools.islice(scheduler.waiting, MAX_WAITING_SHOWN))
+    queued: list[Request] = [*scheduler.running, *waiting]
     tables = kv.block_tables()
     requests = [_view(r, len(tables.get(r.request_id, ())), now) for r in queued]
     index = {r.request_id: i for i, r in enumerate(queued)}
     blocks = _block_map(kv.pool, tables, index, max_cells)
     for view in requests:
-        group = blocks.group
-        view.cells = sorted({b // group for b in tables.get(view.request_id, ())})
+        view.cells = request_cells(tables.get(view.request_id, []), blocks.group)
     pool = kv.pool
     return EngineSnapshot(
         time=now,
@@ -98,6 +115,7 @@ def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapsh
         },
         blocks=blocks,
         requests=requests,
+        num_waiting=scheduler.num_waiting,
     )
 
 
@@ -140,6 +158,7 @@ def _view(request: Request, num_blocks: int, now: float) -> RequestView:
         computed_tokens=request.num_computed_tokens,
         blocks=num_blocks,
         age_s=max(now - request.arrival_time, 0.0) if request.arrival_time else 0.0,
+        queued_s=None if status == "running" else max(now - request.queued_time, 0.0),
         preemptions=request.num_preemptions,
         cached_tokens=request.num_cached_tokens,
     )
@@ -148,29 +167,45 @@ def _view(request: Request, num_blocks: int, now: float) -> RequestView:
 def _block_map(
     pool: BlockPool, tables: dict[str, list[int]], index: dict[str, int], max_cells: int
 ) -> BlockMap:
+    """Vectorised: a few milliseconds for a 200k-block cache half held."""
     num_blocks = pool.num_blocks
     group = max(1, math.ceil(num_blocks / max_cells))
     cells = math.ceil(num_blocks / group)
-    states = [FREE] * cells
-    held = [0] * cells
-    owner = [-1] * cells
-    references = [0] * cells
-    for block in pool.blocks:
-        cell = block.block_id // group
-        if block.block_id == NULL_BLOCK_ID:
-            state = NULL
-        elif block.ref_cnt > 0:
-            state = HELD_CACHED if block.key is not None else HELD
-            held[cell] += 1
-        else:
-            state = CACHED if block.key is not None else FREE
-        if state < states[cell] or (state == NULL and states[cell] == FREE):
-            states[cell] = state
-    for request_id, table in tables.items():
-        position = index.get(request_id, -1)
-        for block_id in table:
-            cell = block_id // group
-            references[cell] += 1
-            if owner[cell] < 0:
-                owner[cell] = position
-    return BlockMap(group, num_blocks, states, held, owner, references)
+    lengths = np.fromiter((len(t) for t in tables.values()), dtype=np.int64, count=len(tables))
+    entries = np.fromiter(
+        itertools.chain.from_iterable(tables.values()), dtype=np.int64, count=int(lengths.sum())
+    )
+    positions = np.repeat(
+        np.fromiter((index.get(r, -1) for r in tables), dtype=np.int64, count=len(tables)),
+        lengths,
+    )
+    # Per-block masks, padded to whole cells: every held block is in at least one table.
+    held = np.zeros(cells * group, dtype=bool)
+    held[entries] = True
+    cached = np.zeros(cells * group, dtype=bool)
+    cached[pool.cached_block_ids()] = True
+    block_states = np.full(cells * group, FREE, dtype=np.int8)
+    block_states[cached] = CACHED
+    block_states[held] = HELD
+    block_states[held & cached] = HELD_CACHED
+    # A cell keeps its most telling state (the lowest number): held, then cached, then free.
+    states = block_states.reshape(cells, group).min(axis=1).astype(np.int64)
+    if states[NULL_BLOCK_ID // group] == FREE:
+        states[NULL_BLOCK_ID // group] = NULL
+    entry_cells = entries // group
+    owner = np.full(cells, -1, dtype=np.int64)
+    first_cells, first_entry = np.unique(entry_cells, return_index=True)
+    owner[first_cells] = positions[first_entry]
+    return BlockMap(
+        group,
+        num_blocks,
+        states.tolist(),
+        held.reshape(cells, group).sum(axis=1).tolist(),
+        owner.tolist(),
+        np.bincount(entry_cells, minlength=cells).tolist(),
+    )
+
+
+def request_cells(table: list[int], group: int) -> list[int]:
+    """The block-map cells a request's blocks fall in, ascending."""
+    return np.unique(np.asarray(table, dtype=np.int64) // group).tolist()

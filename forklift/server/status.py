@@ -8,12 +8,15 @@ runs long makes the page show the previous snapshot, marked stale, instead of wa
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import math
 import time
 from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 
 from forklift.engine.async_engine import AsyncEngine, EngineDeadError
 from forklift.engine.engine import LLMEngine
@@ -22,13 +25,19 @@ from forklift.server.status_history import StatusHistory
 
 STATUS_JSON_PATH = "/status.json"
 
+logger = logging.getLogger("forklift")
+
 
 def status_page() -> str:
     return files("forklift.server").joinpath("status_page.html").read_text(encoding="utf-8")
 
 
 class SnapshotSource:
-    """Rate-limited snapshots of one engine, shared by every poller."""
+    """Rate-limited snapshots of one engine, shared by every poller.
+
+    One engine call is in flight at a time; every poller awaits that same call, and one
+    that waits longer than `timeout_s` gets the previous snapshot marked stale (the call
+    itself carries on and serves the next pollers)."""
 
     def __init__(
         self,
@@ -43,26 +52,36 @@ class SnapshotSource:
         self._name = served_model_name
         self._min_interval_s = min_interval_s
         self._timeout_s = timeout_s
-        self._lock = asyncio.Lock()
+        self._pending: asyncio.Future[dict[str, Any]] | None = None
         self._last: dict[str, Any] | None = None
-        self._last_time = 0.0
+        self._last_time = -math.inf
         self.num_taken = 0
 
     async def get(self) -> dict[str, Any]:
-        async with self._lock:
-            if self._last is not None and time.monotonic() - self._last_time < self._min_interval_s:
-                return self._last
-            future = self._engine.call(self._read)
-            try:
-                data = await asyncio.wait_for(asyncio.wrap_future(future), self._timeout_s)
-            except asyncio.TimeoutError:  # a long step: show what we had, say it is old
-                data = dict(self._last or {"snapshot": None, "history": None})
-                data["state"] = {**data.get("state", {}), **self._state(), "stale": True}
-                return data
-            except EngineDeadError as exc:
-                return {"snapshot": None, "history": None, "state": self._state(str(exc))}
-            self._last, self._last_time = data, time.monotonic()
-            return data
+        if time.monotonic() - self._last_time < self._min_interval_s and self._last is not None:
+            return self._last
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = asyncio.wrap_future(self._engine.call(self._read))
+        try:
+            data = await asyncio.wait_for(asyncio.shield(pending), self._timeout_s)
+        except asyncio.TimeoutError:  # a long step: show what we had, say it is old
+            return self._previous(stale=True)
+        except EngineDeadError as exc:
+            return {"snapshot": None, "history": None, "state": self._state(str(exc))}
+        except Exception as exc:  # a snapshot bug must not take the page down: say it
+            logger.exception("status snapshot failed")
+            return self._previous(error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if pending.done() and self._pending is pending:
+                self._pending = None
+        self._last, self._last_time = data, time.monotonic()
+        return data
+
+    def _previous(self, stale: bool = False, error: str | None = None) -> dict[str, Any]:
+        data = dict(self._last or {"snapshot": None, "history": None})
+        data["state"] = {**data.get("state", {}), **self._state(), "stale": stale, "error": error}
+        return data
 
     def _read(self, engine: LLMEngine) -> dict[str, Any]:
         """On the engine thread: the snapshot and the charts, read at the same moment."""
@@ -89,6 +108,7 @@ class SnapshotSource:
             "pending": self._engine.num_pending(),
             "dead": dead,
             "stale": False,
+            "error": None,
         }
 
 
@@ -98,5 +118,7 @@ def add_status_routes(app: FastAPI, source: SnapshotSource) -> None:
         return HTMLResponse(status_page())
 
     @app.get(STATUS_JSON_PATH)
-    async def snapshot() -> dict[str, Any]:
-        return await source.get()
+    async def snapshot() -> Response:
+        # Plain json.dumps: FastAPI's encoder walks every value first, at several times the
+        # cost, on the event loop.
+        return Response(json.dumps(await source.get()), media_type="application/json")

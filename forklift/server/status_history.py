@@ -77,8 +77,12 @@ class StatusHistory:
                       "prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                       "itl_p99_ms")
         }  # fmt: skip
-        carried = _Bucket(-1)
-        for index in range(last - self.num_buckets + 1, last + 1):
+        first = last - self.num_buckets + 1
+        # Idle buckets carry the newest state seen before them, even from before the window
+        # (an engine paused for longer than the window still holds its cache and queues).
+        older = [b for b in self._buckets if b.index < first]
+        carried = older[-1] if older else _Bucket(-1)
+        for index in range(first, last + 1):
             bucket = by_index.get(index)
             if bucket is None:  # idle: no tokens, the cache and queues as they were
                 bucket = _Bucket(index, kv_usage=carried.kv_usage, running=carried.running,
