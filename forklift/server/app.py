@@ -47,11 +47,17 @@ def build_app(
     limits: ServerLimits | None = None,
     enable_trainer_routes: bool = False,
     tool_call_parser: str = "hermes",
+    engine_thread: bool = True,
 ) -> FastAPI:
-    """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request."""
+    """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request.
+
+    `engine_thread=False`: the engine loop is not started; the caller runs
+    `app.state.ctx.async_engine.run_here()` (see `forklift.server.serve`)."""
     make_parser(tool_call_parser)  # a bad name fails here, not on the first tool request
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, max_waiting_requests, on_step=metrics.observe_step)
+    async_engine = AsyncEngine(
+        engine, max_waiting_requests, on_step=metrics.observe_step, start_thread=engine_thread
+    )
     limits = limits or ServerLimits()
     ctx = ServerContext(async_engine, served_model_name, limits, tool_call_parser)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -51,12 +53,35 @@ def serve(
         limits,
         enable_trainer_routes,
         tool_call_parser=tool_call_parser,
+        engine_thread=False,
     )
+    async_engine = app.state.ctx.async_engine
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     line = ready_line(host, port, name, api_key)
-    server = DrainingServer(uv_config, line, out, app.state.ctx.async_engine, shutdown_timeout_s)
+    server = DrainingServer(uv_config, line, out, async_engine, shutdown_timeout_s)
+    # The engine loop keeps the main thread (the one that loaded the model: see
+    # AsyncEngine.run_here); HTTP runs beside it. Signals are delivered to the main thread,
+    # whose Python code runs between kernels, and handed to the server from there.
+    exit_code: list[int] = []
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            exit_code.append(exc.code if isinstance(exc.code, int) else 1)
+        finally:
+            async_engine.shutdown()
+
+    http = threading.Thread(target=serve_http, name="forklift-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http.start()
     try:
-        server.run()
+        async_engine.run_here()
     finally:
+        server.should_exit = True
+        http.join(timeout=60)
         engine.shutdown()  # tensor-parallel workers
-    return 1 if server.failed else 0
+    if server.failed or exit_code or not server.started or async_engine.failure():
+        return 1
+    return 0
