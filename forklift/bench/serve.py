@@ -267,17 +267,29 @@ async def _sweep(
 
 
 def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
-    """(whole process, its main thread) CPU seconds; the main thread runs the event loop."""
+    """(whole process, its event-loop thread) CPU seconds. `forklift serve` names that
+    thread (the engine loop has the main thread); a server that does not is read by its
+    main thread."""
     if pid is None:
         return None
     import psutil
+
+    from forklift.server.serve import HTTP_THREAD_NAME
 
     try:
         process = psutil.Process(pid)
         threads = {t.id: t.user_time + t.system_time for t in process.threads()}
     except psutil.Error:
         return None
-    return sum(threads.values()), threads.get(pid, 0.0)
+    loop = next((tid for tid in threads if _thread_name(pid, tid) == HTTP_THREAD_NAME), pid)
+    return sum(threads.values()), threads.get(loop, 0.0)
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
