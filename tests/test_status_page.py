@@ -43,6 +43,16 @@ def server(tmp_path_factory):
         yield url, app
 
 
+def launch_chromium(playwright):
+    """Debian's Chromium, headless, with the background services that would try to reach
+    the network turned off."""
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--no-first-run"],
+    )  # fmt: skip
+
+
 def get_status(url: str) -> httpx.Response:
     return httpx.get(url + "/status.json", headers={"Authorization": f"Bearer {KEY}"})
 
@@ -183,11 +193,7 @@ def test_the_page_draws_the_block_map_and_queues_in_chromium(server, tmp_path):
     threads = start_load(url, count=5, max_tokens=200)
     hold_mid_flight(app, expected_running=5)
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
@@ -297,11 +303,7 @@ def test_the_front_end_page_draws_one_panel_per_replica(tmp_path):
         route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
 
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page()
             errors: list[str] = []
