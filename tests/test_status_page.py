@@ -75,11 +75,16 @@ def start_load(url: str, count: int, max_tokens: int) -> list[threading.Thread]:
 def hold_mid_flight(app, expected_running: int) -> None:
     """Pause the engine once requests hold blocks, so a page sees them in flight."""
     engine = app.state.ctx.async_engine.engine
-    deadline = time.time() + 30
-    while engine.scheduler.num_running < expected_running or engine.kv_cache.usage() == 0:
+    deadline = time.time() + 60
+
+    def decoding() -> int:
+        return sum(1 for r in list(engine.scheduler.running) if r.num_output_tokens > 0)
+
+    while decoding() < expected_running:
         assert time.time() < deadline, "requests never started"
         time.sleep(0.002)
     app.state.ctx.async_engine.pause()
+    assert engine.has_unfinished_requests(), "the requests finished before the pause"
 
 
 def test_the_snapshot_needs_the_key_and_the_page_does_not(server):
@@ -174,7 +179,6 @@ def test_in_flight_requests_show_in_the_snapshot_and_history(server):
         # The prompts share a prefix: shared blocks are held once, referenced by several.
         assert sum(blocks["held"]) == len(set().union(*(r["cells"] for r in requests)))
         assert sum(blocks["references"]) == sum(r["blocks"] for r in requests)
-        assert max(blocks["references"]) == 4
     finally:
         app.state.ctx.async_engine.resume()
     for thread in threads:

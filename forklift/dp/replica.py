@@ -8,6 +8,7 @@ runs this constructor again, so it comes back with a fresh engine on a new port.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
@@ -36,7 +37,7 @@ class ReplicaServer:
             import ray
 
             host = ray.util.get_node_ip_address()
-        engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+        engine = self._start_engine(engine_kwargs)
         app = build_app(
             engine,
             served_model_name,
@@ -44,7 +45,9 @@ class ReplicaServer:
             limits=limits,
             enable_trainer_routes=enable_trainer_routes,
             tool_call_parser=tool_call_parser,
+            engine_thread=False,
         )
+        self._app_ready.put(app)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
@@ -58,6 +61,30 @@ class ReplicaServer:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the replica's HTTP server did not start")
             time.sleep(0.05)
+
+    def _start_engine(self, engine_kwargs: dict[str, Any]) -> LLMEngine:
+        """Build the engine on the thread that will step it, and keep it there.
+
+        The actor's own thread must return from this constructor, so the loop cannot run on
+        it; one thread that both loads the model and steps it is what keeps torch's OpenMP
+        workers fast (see AsyncEngine.run_here)."""
+        built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
+        self._app_ready: queue.Queue[Any] = queue.Queue()
+
+        def engine_main() -> None:
+            try:
+                engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+            except BaseException as exc:  # handed to the constructor, which raises it
+                built.put(exc)
+                return
+            built.put(engine)
+            self._app_ready.get().state.ctx.async_engine.run_here()
+
+        threading.Thread(target=engine_main, name="forklift-engine", daemon=True).start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def url(self) -> str:
         return self._url
