@@ -504,8 +504,8 @@ class LLMEngine:
         if request.is_finished:
             return False  # stopped on EOS, a stop id or the length: nothing more to sample
         if not grammar.accept(token_id):
-            # Only reachable when every allowed token was banned (e.g. min_tokens holding
-            # back the EOS a finished grammar needs): end the sequence, say why.
+            # The sampler never draws outside the mask (a grammar outranks bans that would
+            # empty its row), so this is a bug guard: end the sequence and say why.
             logger.warning(
                 "request %s: token %d breaks its grammar (%s); finishing it",
                 request.request_id, token_id, grammar.error,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from forklift.engine.request import Request
-from forklift.structured.grammar import bitmask_width
+from forklift.structured.grammar import bitmask_width, fill_bitmasks
 
 
 @dataclass
@@ -103,10 +103,7 @@ def _grammar_bitmask(
     if not rows:
         return None, None
     bitmask = np.zeros((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
-    for out_row, row in enumerate(rows):
-        grammar = requests[row].grammar
-        assert grammar is not None
-        grammar.fill_bitmask(bitmask[out_row])
+    fill_bitmasks([g for r in requests if (g := r.grammar) is not None], bitmask)
     return (
         torch.tensor(rows, dtype=torch.int64, device=device),
         torch.from_numpy(bitmask).to(device),

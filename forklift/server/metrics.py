@@ -87,19 +87,21 @@ class ServerMetrics:
         self.prefix_hits.inc(new_hits)
         self._seen_prefix_queries, self._seen_prefix_hits = stats.query_tokens, stats.hit_tokens
         now = time.time()
+        # Aborts call this too, after no new step: count each step's tokens once.
         step = engine.step_log[-1] if engine.step_log else None
-        fresh = step is not None and step.index != self._seen_step
+        if step is not None and step.index == self._seen_step:
+            step = None
         self.history.record_step(
             now,
-            step.num_prompt_tokens if fresh and step else 0,
-            step.num_sampled if fresh and step else 0,
+            step.num_prompt_tokens if step else 0,
+            step.num_sampled if step else 0,
             engine.kv_cache.usage(),
             scheduler.num_running,
             scheduler.num_waiting,
             new_queries,
             new_hits,
         )
-        if fresh and step:
+        if step is not None:
             self._seen_step = step.index
         for output in outputs:
             self._observe_output(output, now)
@@ -112,11 +114,13 @@ class ServerMetrics:
             self.generation_tokens.inc(new)
             if progress.last_token_time is None:
                 if output.metrics is not None:
-                    self.ttft.observe(now - output.metrics.arrival_time)
-                    self.history.record_ttft(now, now - output.metrics.arrival_time)
+                    ttft = now - output.metrics.arrival_time
+                    self.ttft.observe(ttft)
+                    self.history.record_ttft(now, ttft)
             else:
-                self.itl.observe((now - progress.last_token_time) / new)
-                self.history.record_itl(now, (now - progress.last_token_time) / new)
+                itl = (now - progress.last_token_time) / new
+                self.itl.observe(itl)
+                self.history.record_itl(now, itl)
             progress.tokens, progress.last_token_time = tokens, now
         if output.finished:
             self.observe_finished(output, now)

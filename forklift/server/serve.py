@@ -85,7 +85,7 @@ def serve(
         finally:
             async_engine.shutdown()
 
-    http = threading.Thread(target=serve_http, name="forklift-http", daemon=True)
+    http = threading.Thread(target=serve_http, name=HTTP_THREAD_NAME, daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
     http.start()

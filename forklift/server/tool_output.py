@@ -48,7 +48,6 @@ class ToolCallStreamer:
     tools: ToolRequest
     parser: ToolCallParser
     _sent_content: int = 0
-    _named_started: bool = False
     _sent_arguments: int = 0
     _num_calls: int = 0
 
@@ -87,8 +86,7 @@ class ToolCallStreamer:
 
     def _named(self, text: str) -> list[dict[str, Any]]:
         out = []
-        if not self._named_started:
-            self._named_started = True
+        if not self._num_calls:  # the call's header goes first, once
             self._num_calls = 1
             header = _call_delta(0, ToolCall(self.tools.choice.name or "", ""))
             out.append({"tool_calls": [header]})

@@ -67,10 +67,6 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def matchers(self, params: StructuredOutputsParams, count: int) -> list[GrammarMatcher]:
         """`count` independent matchers at the start of the grammar (one per sample)."""
         template = self.compile(params)
