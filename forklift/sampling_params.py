@@ -115,7 +115,7 @@ class SamplingParams:
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             "logprobs",
-            # The upper bound is the engine's max_logprobs (forklift/engine/request_limits.py).
+            # The upper bound is the engine's max_logprobs (forklift/core/request_limits.py).
             f"must be a non-negative integer, got {self.logprobs}",
         )
         _check(

@@ -1,7 +1,7 @@
 import pytest
 
-from forklift.engine.block_pool import NULL_BLOCK_ID, BlockPool
-from forklift.engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.core.block_pool import NULL_BLOCK_ID, BlockPool
+from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
 
 
 def test_null_block_is_never_handed_out():

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from forklift.engine.block_pool import NULL_BLOCK_ID
-from forklift.engine.kv_cache_manager import KVCacheManager
+from forklift.core.block_pool import NULL_BLOCK_ID
+from forklift.core.kv_cache_manager import KVCacheManager
 
 BLOCK = 4
 NUM_BLOCKS = 12

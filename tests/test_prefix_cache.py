@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from forklift.engine.block_pool import BlockKey
-from forklift.engine.kv_cache_manager import KVCacheManager, block_key
+from forklift.core.block_pool import BlockKey
+from forklift.core.kv_cache_manager import KVCacheManager, block_key
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from forklift.engine.request import Request
+from forklift.core.request import Request
 from forklift.sampling.metadata import SamplingBatch
 from forklift.sampling.sampler import apply_penalties, hashed_uniform, sample
 from forklift.sampling_params import SamplingParams

@@ -1,8 +1,8 @@
 """Scheduler behaviour with no model: token budgets, chunking, preemption, abort."""
 
-from forklift.engine.kv_cache_manager import KVCacheManager
-from forklift.engine.request import FinishReason, Request, RequestStatus
-from forklift.engine.scheduler import Scheduler
+from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.request import FinishReason, Request, RequestStatus
+from forklift.core.scheduler import Scheduler
 from forklift.sampling_params import SamplingParams
 
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from forklift.engine.kv_cache_manager import KVCacheManager
-from forklift.engine.request import FinishReason, Request
-from forklift.engine.scheduler import Scheduler
-from forklift.engine.state_pool import StatePool
+from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.request import FinishReason, Request
+from forklift.core.scheduler import Scheduler
+from forklift.core.state_pool import StatePool
 from forklift.sampling_params import SamplingParams
 
 

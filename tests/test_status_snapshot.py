@@ -6,7 +6,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 from forklift import LLMEngine, SamplingParams
-from forklift.engine.block_pool import NULL_BLOCK_ID
+from forklift.core.block_pool import NULL_BLOCK_ID
 from forklift.engine.snapshot import (
     CACHED,
     FREE,

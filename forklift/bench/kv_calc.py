@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from forklift.engine.kv_cache_manager import blocks_for_tokens
+from forklift.core.kv_cache_manager import blocks_for_tokens
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 

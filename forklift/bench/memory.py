@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forklift.bench.kv_calc import dtype_bytes, kv_cache_bytes
-from forklift.engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from forklift.model.model_config import ModelConfig
 
 if TYPE_CHECKING:

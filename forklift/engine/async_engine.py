@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from forklift.core.request_limits import check_context_length
 from forklift.engine.engine import LLMEngine, PromptType
-from forklift.engine.request_limits import check_context_length
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 
 from forklift.config import EngineConfig
-from forklift.engine.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.core.request import FinishReason, Request
+from forklift.core.request_limits import check_sampling_limits
+from forklift.core.scheduler import Scheduler, SchedulerOutput
+from forklift.core.state_pool import StatePool
 from forklift.engine.output_processor import (
     OutputProcessor,
     ParentRequest,
     Sequence,
     mark_first_token,
 )
-from forklift.engine.request import FinishReason, Request
-from forklift.engine.request_limits import check_sampling_limits
-from forklift.engine.scheduler import Scheduler, SchedulerOutput
-from forklift.engine.state_pool import StatePool
 from forklift.model.model_source import (
     iter_model_weights,
     load_model_config,

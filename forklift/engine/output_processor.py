@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from forklift.core.request import FinishReason, Request
 from forklift.engine.detokenizer import IncrementalDetokenizer
-from forklift.engine.request import FinishReason, Request
 from forklift.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from forklift.tokenizer import Tokenizer
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from forklift.engine.block_pool import NULL_BLOCK_ID, BlockPool
-from forklift.engine.request import Request, RequestStatus
+from forklift.core.block_pool import NULL_BLOCK_ID, BlockPool
+from forklift.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from forklift.engine.engine import LLMEngine

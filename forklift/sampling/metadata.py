@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from forklift.engine.request import Request
+from forklift.core.request import Request
 from forklift.structured.grammar import bitmask_width, fill_bitmasks
 
 

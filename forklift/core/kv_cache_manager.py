@@ -6,7 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from forklift.engine.block_pool import BlockKey, BlockPool
+from forklift.core.block_pool import BlockKey, BlockPool
 
 _ROOT_DIGEST = b""
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from forklift.engine.kv_cache_manager import KVCacheManager
-from forklift.engine.request import FinishReason, Request, RequestStatus
-from forklift.engine.state_pool import StatePool
+from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.request import FinishReason, Request, RequestStatus
+from forklift.core.state_pool import StatePool
 
 
 @dataclass
