@@ -116,7 +116,7 @@ class AsyncEngine:
 
     def _num_pending_locked(self) -> int:
         queued = sum(isinstance(c, _Add) for c in self._commands)
-        return queued + self.engine.scheduler.num_waiting
+        return queued + self.engine.stats().num_waiting
 
     def submit(
         self, requests: list[tuple[str, PromptType, SamplingParams]], arrival_time: float

@@ -89,6 +89,22 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters at one moment: what metrics, status pages and benchmarks read."""
+
+    num_running: int
+    num_waiting: int
+    # Preemptions since the start (each one frees a request's blocks to recompute it later).
+    num_preemptions: int
+    kv_usage: float  # fraction of usable KV blocks held by requests
+    num_free_blocks: int
+    num_usable_blocks: int
+    prefix_cache: PrefixCacheStats
+    # (reserved token slots, computed tokens) of every running request.
+    running_slots: tuple[tuple[int, int], ...] = ()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -601,6 +617,27 @@ class LLMEngine:
         )  # fmt: skip
 
     # ---- introspection ------------------------------------------------------------------
+    def stats(self, with_running_slots: bool = False) -> EngineStats:
+        """A snapshot of the scheduler's and KV cache's counters. `with_running_slots` adds
+        every running request's reserved and used slots (a walk over the running batch)."""
+        scheduler, kv = self.scheduler, self.kv_cache
+        slots: tuple[tuple[int, int], ...] = ()
+        if with_running_slots:
+            slots = tuple(
+                (len(kv.block_table(r.request_id)) * kv.block_size, r.num_computed_tokens)
+                for r in scheduler.running
+            )
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_preemptions=scheduler.num_preemptions,
+            kv_usage=kv.usage(),
+            num_free_blocks=kv.num_free_blocks,
+            num_usable_blocks=self.num_usable_blocks,
+            prefix_cache=self.prefix_cache_stats(),
+            running_slots=slots,
+        )
+
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks

@@ -72,20 +72,20 @@ class ServerMetrics:
         self.queue_time = histogram("forklift:request_queue_time_seconds", "Arrival to first step")
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        scheduler = engine.scheduler
-        self.running.set(scheduler.num_running)
-        self.waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(engine.kv_cache.usage())
-        new_preemptions = scheduler.num_preemptions - self._seen_preemptions
+        stats = engine.stats()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        new_preemptions = stats.num_preemptions - self._seen_preemptions
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
-            self._seen_preemptions = scheduler.num_preemptions
-        stats = engine.prefix_cache_stats()
-        new_queries = stats.query_tokens - self._seen_prefix_queries
-        new_hits = stats.hit_tokens - self._seen_prefix_hits
+            self._seen_preemptions = stats.num_preemptions
+        prefix = stats.prefix_cache
+        new_queries = prefix.query_tokens - self._seen_prefix_queries
+        new_hits = prefix.hit_tokens - self._seen_prefix_hits
         self.prefix_queries.inc(new_queries)
         self.prefix_hits.inc(new_hits)
-        self._seen_prefix_queries, self._seen_prefix_hits = stats.query_tokens, stats.hit_tokens
+        self._seen_prefix_queries, self._seen_prefix_hits = prefix.query_tokens, prefix.hit_tokens
         now = time.time()
         # Aborts call this too, after no new step: count each step's tokens once.
         step = engine.step_log[-1] if engine.step_log else None
@@ -95,9 +95,9 @@ class ServerMetrics:
             now,
             step.num_prompt_tokens if step else 0,
             step.num_sampled if step else 0,
-            engine.kv_cache.usage(),
-            scheduler.num_running,
-            scheduler.num_waiting,
+            stats.kv_usage,
+            stats.num_running,
+            stats.num_waiting,
             new_queries,
             new_hits,
         )
