@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from forklift.version import __version__
 
 # Public names resolve lazily, so the pure-Python engine core imports without loading torch.
 _EXPORTS = {

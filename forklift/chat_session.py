@@ -19,8 +19,7 @@ def stream_reply(
     """Run one chat turn, writing text deltas to `out` as they arrive; returns the reply."""
     tokenizer = engine.tokenizer
     assert tokenizer is not None
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode_chat(messages)
     request_id = engine.add_request(None, {"prompt_token_ids": ids}, params)
     shown = ""
     try:

@@ -216,7 +216,7 @@ def server_limits_from_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
-    from forklift.model.model_source import resolve_model
+    from forklift.checkpoint.source import resolve_model
     from forklift.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(args.model))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
@@ -16,15 +17,17 @@ QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 # `forklift bench serve` at the seed's serving shape (docs/serving.md).
 SERVE_DECODE_STEP_PREFILL_TOKENS = 256
 
+# Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
+# configuration never loads it).
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -151,6 +154,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -159,8 +164,10 @@ class EngineConfig:
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32

@@ -10,7 +10,8 @@ import torch
 from tqdm import tqdm
 
 from forklift.config import EngineConfig
-from forklift.engine.engine import LLMEngine, PromptType
+from forklift.core.input_processor import PromptType
+from forklift.engine.engine import LLMEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
@@ -81,14 +82,12 @@ class LLM:
         conversations = _as_conversation_list(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
+            ids = tokenizer.encode_chat(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 **(chat_template_kwargs or {}),
             )
-            # The template already placed any BOS token.
-            ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids})
         params_list = _as_params_list(sampling_params, len(prompts))
         outputs = self._run(prompts, params_list, use_tqdm)
@@ -102,19 +101,11 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Tokenize and validate every prompt before queueing any, so a bad one costs no work.
-        tokenized = []
-        for prompt, p in zip(prompts, params, strict=True):
-            engine.validate_params(p)
-            text, prompt_ids = engine.tokenize_prompt(prompt)
-            engine.validate_prompt(prompt_ids)
-            salt = engine.cache_salt(prompt)
-            tokenized.append(
-                {"prompt": text, "prompt_token_ids": prompt_ids}
-                | ({} if salt is None else {"cache_salt": salt})
-            )
-        ids = [
-            engine.add_request(None, prompt, p) for prompt, p in zip(tokenized, params, strict=True)
+        processed = [
+            engine.input_processor.process(prompt, p)
+            for prompt, p in zip(prompts, params, strict=True)
         ]
+        ids = [engine.add_processed(None, prompt) for prompt in processed]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from forklift.model.model_source import ModelSource, resolve_model
+from forklift.checkpoint.source import ModelSource, resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from forklift.bench.kv_calc import budget_breakdown, kv_cache_bytes
-from forklift.bench.memory import seed_figures
+from forklift.bench.memory.figures import seed_figures
 from forklift.cli import main
 
 SEED_SHAPE = ["--layers", "16", "--kv-heads", "4", "--head-dim", "256"]

@@ -105,3 +105,13 @@ def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
     assert serving_engine_config(off).resolve_decode_step_prefill_tokens() is None
     with pytest.raises(ValueError, match="decode_step_prefill_tokens"):
         engine_config_from_args(parser.parse_args(["--decode-step-prefill-tokens", "-3"]))
+
+
+def test_a_charting_benchmark_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    from forklift.cli import main
+
+    # None in sys.modules: the import system reports matplotlib as not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "memory", "--quick", "--out-dir", str(tmp_path)]) == 2
+    assert "pip install 'forklift[bench]'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

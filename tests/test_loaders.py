@@ -23,15 +23,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from forklift.model.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
+from forklift.checkpoint.gguf_file import open_gguf
+from forklift.checkpoint.source import ModelSource, default_model_path, resolve_model
+from forklift.model.gguf_loader import gguf_model_config, iter_gguf_weights
 from forklift.model.model_config import ModelConfig
-from forklift.model.model_source import (
-    ModelSource,
-    default_model_path,
-    iter_model_weights,
-    load_model_config,
-    resolve_model,
-)
+from forklift.model.model_source import iter_model_weights, load_model_config
 from forklift.model.safetensors_loader import iter_safetensors_weights, load_hf_model_config
 
 _TINY = dict(

@@ -12,7 +12,7 @@ import torch
 from tiny_models import hf_greedy
 
 from forklift import SamplingParams
-from forklift.bench.hf_baseline import load_hf_model
+from forklift.hf_reference import load_hf_model
 from forklift.model.model_source import load_model_config
 
 PROMPTS = [

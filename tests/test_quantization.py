@@ -11,8 +11,10 @@ from gguf_factory import write_gguf
 from tiny_models import make_tiny_model
 
 from forklift import LLM, SamplingParams
+from forklift.checkpoint.gguf_file import open_gguf
+from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
-from forklift.model.gguf_loader import iter_gguf_int4_groups, iter_gguf_weights, open_gguf
+from forklift.model.gguf_loader import iter_gguf_int4_groups, iter_gguf_weights
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import (
     QUANTIZED_MAX_ROWS,
@@ -21,7 +23,7 @@ from forklift.model.layers.quantized import (
     int4_groups_from_dense,
     int4_kernel_available,
 )
-from forklift.model.model_source import load_model_config, resolve_model
+from forklift.model.model_source import load_model_config
 from forklift.model.quantize import resolve_quantization
 from forklift.runner.attention_metadata import build_attention_metadata
 
@@ -251,7 +253,7 @@ def _teacher_forced_logprobs(llm: LLM, ids: list[int], chunk: int) -> list[float
                 np.array([start]), np.array([len(piece)]), table, block, None, runner.device
             )
             hidden = runner.model(
-                torch.tensor(piece), torch.from_numpy(positions), runner.kv_caches, meta
+                torch.tensor(piece), torch.from_numpy(positions), runner.layer_caches, meta
             )
             logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
             targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
@@ -303,7 +305,8 @@ def test_tensor_parallel_shards_of_int4_groups_are_shards_of_the_weight(name):
     from test_tensor_parallel import SMOLLM2_LIKE
 
     from forklift.model.quantize import _shard_groups
-    from forklift.model.tensor_parallel import TensorParallelShard, hf_tensor_shape
+    from forklift.model.tensor_parallel import TensorParallelShard
+    from forklift.model.weight_slots import hf_tensor_shape
 
     torch.manual_seed(4)
     groups = int4_groups_from_dense(torch.randn(hf_tensor_shape(name, SMOLLM2_LIKE)))

@@ -29,7 +29,7 @@ def batch_for(
         for t in (outputs or [[]] * len(params))[i]:
             request.append_output_token(t)
         requests.append(request)
-    return SamplingBatch.from_requests(requests, torch.device("cpu"))
+    return SamplingBatch.from_rows([r.sampling_row() for r in requests], torch.device("cpu"))
 
 
 def test_hashed_noise_is_uniform_and_depends_only_on_seed_and_step():

@@ -31,11 +31,11 @@ def test_decodes_and_new_prefills_share_a_step():
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     sched.add_request(make_request("a", 10))
     out, _ = run_step(sched)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
     sched.add_request(make_request("b", 5))
     out, _ = run_step(sched)
     # "a" decodes one token while "b" is prefilled in the same step.
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 1),
         ("b", 5),
     ]
@@ -91,12 +91,12 @@ def test_newest_request_is_preempted_and_requeued_first():
     run_step(sched)  # both prefilled: 3 tokens cached each, in 2 blocks
     run_step(sched)  # position 3 still fits the second block
     out, _ = run_step(sched)  # position 4 needs a third block each: only 0 are free
-    assert [r.request_id for r in out.preempted] == ["new"]
+    assert out.preempted == ["new"]
     assert new.status == RequestStatus.PREEMPTED
     assert new.num_computed_tokens == 0
     assert new.num_preemptions == 1
     assert list(sched.waiting) == [new]
-    assert [s.request.request_id for s in out.scheduled] == ["old"]
+    assert [s.request_id for s in out.scheduled] == ["old"]
     # The preempted request keeps its output and resumes once there is room again.
     assert new.num_output_tokens == 2
     while sched.has_unfinished_requests():
@@ -117,7 +117,7 @@ def test_request_that_cannot_grow_preempts_itself_when_alone_is_impossible():
     assert len(out.scheduled) == 2
     # Next step each needs a second block; b (newest) is preempted so a can continue.
     out, finished = run_step(sched)
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted == ["b"]
     assert finished == [a]
     while sched.has_unfinished_requests():
         run_step(sched)
@@ -181,10 +181,10 @@ def test_prefill_is_bounded_only_while_streams_decode():
     sched.add_request(make_request("a", 30))
     out, _ = run_step(sched)
     # Nothing decodes yet: the prompt takes the whole budget's worth.
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 30)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 30)]
     sched.add_request(make_request("b", 20))
     sched.add_request(make_request("c", 5))
-    steps = [[(s.request.request_id, s.num_new_tokens) for s in run_step(sched)[0].scheduled]
+    steps = [[(s.request_id, s.num_new_tokens) for s in run_step(sched)[0].scheduled]
              for _ in range(4)]  # fmt: skip
     # "a" decodes every step; "b" and "c" share 8 prompt tokens per step among them.
     assert steps == [

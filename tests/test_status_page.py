@@ -150,7 +150,7 @@ def test_a_long_step_makes_pollers_wait_once_not_in_line(server):
 def test_a_failing_snapshot_is_reported_not_a_500(server, monkeypatch):
     url, app = server
     time.sleep(0.6)
-    kv = app.state.ctx.async_engine.engine.kv_cache
+    kv = app.state.ctx.async_engine.engine.kv_manager
 
     def broken() -> dict:
         raise RuntimeError("boom")
@@ -214,7 +214,7 @@ def test_the_page_draws_the_block_map_and_queues_in_chromium(server, tmp_path):
                 int(page.get_attribute(f'#legend-main [data-state="{state}"]', "data-count"))
                 for state in ("held", "held_cached")
             )
-            tables = [engine.kv_cache.block_table(r.request_id) for r in engine.scheduler.running]
+            tables = [engine.kv_manager.block_table(r.request_id) for r in engine.scheduler.running]
             assert held == len(set().union(*tables))
             assert page.inner_text("#panel-main .badge") == "paused"
             statuses = page.eval_on_selector_all(

@@ -51,7 +51,7 @@ def expected_state(block) -> int:
 
 def check_against_engine(engine: LLMEngine) -> None:
     snapshot = take_snapshot(engine)
-    pool, tables = engine.kv_cache.pool, engine.kv_cache.block_tables()
+    pool, tables = engine.kv_manager.pool, engine.kv_manager.block_tables()
     blocks = snapshot.blocks
     assert blocks.group == 1 and blocks.num_blocks == pool.num_blocks
     assert blocks.states == [expected_state(b) for b in pool.blocks]
@@ -113,7 +113,7 @@ def test_big_caches_are_drawn_in_groups(tiny_dir):
     full = take_snapshot(engine)
     grouped = take_snapshot(engine, max_cells=8)
     group = grouped.blocks.group
-    assert group == -(-engine.kv_cache.pool.num_blocks // 8)
+    assert group == -(-engine.kv_manager.pool.num_blocks // 8)
     assert len(grouped.blocks.states) == -(-full.blocks.num_blocks // group)
     for cell, state in enumerate(grouped.blocks.states):
         members = full.blocks.states[cell * group : (cell + 1) * group]

@@ -11,8 +11,9 @@ from tiny_models import ARCHITECTURES, VOCAB, make_tiny_model
 
 from forklift import LLM, SamplingParams
 from forklift.model.model_config import ModelConfig
-from forklift.model.tensor_parallel import TensorParallelShard, hf_tensor_shape, split_range
-from forklift.runner.tp_group import check_single_node
+from forklift.model.tensor_parallel import TensorParallelShard, split_range
+from forklift.model.tp_group import check_single_node
+from forklift.model.weight_slots import hf_tensor_shape
 
 SMOLLM2_LIKE = ModelConfig(
     architecture="llama", vocab_size=49153, hidden_size=576,

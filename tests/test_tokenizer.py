@@ -10,8 +10,9 @@ import gguf
 import pytest
 import tokenizers
 
-from forklift.model.model_source import ModelSource
-from forklift.tokenizer import Tokenizer, _pre_tokenizer_for, load_tokenizer
+from forklift.checkpoint.source import ModelSource
+from forklift.tokenizer import Tokenizer, load_tokenizer
+from forklift.tokenizer.gguf_vocab import _pre_tokenizer_for
 
 
 def _default_gguf_path() -> Path:

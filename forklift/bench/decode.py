@@ -18,17 +18,20 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
 from forklift.model.model_config import ModelConfig
 from forklift.runner.memory import kv_bytes_per_token, state_bytes_per_sequence
 from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def time_pure_decode(
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
     # enough tokens to last until every request decodes.
-    budget = engine.scheduler.max_num_batched_tokens
+    budget = engine.config.resolve_max_num_batched_tokens()
     tokens = count + margin + prefill_steps(batch, context, budget)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(batch):
@@ -342,13 +345,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "decode", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+def _plot(report: dict[str, Any]) -> Figure:
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4))
     forms = list(dict.fromkeys(p["form"] for p in report["points"]))
     for form in forms:
         points = [p for p in report["points"] if p["form"] == form]
@@ -366,6 +364,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("batch size")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -10,10 +10,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklift.bench.report import write_report_files
+from forklift.bench.report import subplots, write_report_files
 from forklift.rl.grpo import GRPOConfig, GRPOTrainer, StepStats
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def run_grpo_bench(config: GRPOConfig, hf_steps: int, log=print) -> dict[str, Any]:  # noqa: ANN001
@@ -106,13 +109,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "grpo", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(report: dict[str, Any]) -> Figure:
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
     steps = [s["step"] for s in report["forklift"]]
     rewards = [s["reward_mean"] for s in report["forklift"]]
     left.plot(steps, rewards, "o-", color="#2a7ab0", label="forklift rollouts")
@@ -133,6 +131,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("seconds per step")
     right.set_title(f"Step time ({report['step_speedup']:.2f}x)")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -223,7 +223,8 @@ def _shape_from_args(
     if None not in explicit:
         return KVShape(*explicit), None, "shape: given on the command line"
     # Imported here: reading a model pulls in its loaders, which explicit shapes never need.
-    from forklift.model.model_source import load_model_config, resolve_model
+    from forklift.checkpoint.source import resolve_model
+    from forklift.model.model_source import load_model_config
 
     source = resolve_model(args.model)
     config = load_model_config(source)

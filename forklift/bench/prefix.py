@@ -13,14 +13,17 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklift.bench.report import write_report_files
+from forklift.bench.report import subplots, write_report_files
 from forklift.bench.workload import INSTRUCTIONS
 from forklift.engine.engine import LLMEngine, sample_seed
 from forklift.llm import LLM
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _SYSTEM_SENTENCE = (
     "You are the support assistant of a small bicycle shop; answer briefly, politely and "
@@ -123,8 +126,7 @@ def _system_prompt(llm: LLM, num_tokens: int) -> str:
 
 
 def _chat_ids(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
-    tokenizer = llm.get_tokenizer()
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return llm.get_tokenizer().encode_chat(messages)
 
 
 def run_prefix_bench(settings: PrefixSettings) -> dict[str, Any]:
@@ -247,13 +249,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "prefix", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(report: dict[str, Any]) -> Figure:
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
     shared = report["shared"]
     left.bar([r["label"] for r in shared], [r["ttft_s_mean"] for r in shared],
              color=["#999999", "#2a7ab0"])  # fmt: skip
@@ -265,6 +262,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("peak KV blocks in use")
     right.set_title(f"(b) GRPO group: {report['group_block_ratio']:.1f}x fewer blocks")
     right.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

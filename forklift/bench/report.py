@@ -1,49 +1,78 @@
-"""Writing a benchmark's results: `<name>.md`, `<name>.json` and `<name>.png` in one folder."""
+"""Writing a benchmark's results: `<name>.md`, `<name>.json` and `<name>.png` in one folder.
+
+Every benchmark goes through `write_report_files`. Charts need matplotlib, the `bench` extra:
+it is imported only when a chart is drawn, so nothing else in forklift depends on it.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from forklift.config import cpu_flags as all_cpu_flags
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+Report = TypeVar("Report")
+
 
 def write_report_files(
-    report: dict[str, Any],
+    report: Report,
     out_dir: Path,
     name: str,
-    render_markdown: Callable[[dict[str, Any]], str],
-    plot: Callable[[dict[str, Any], Path], None] | None,
+    render_markdown: Callable[[Report], str],
+    plot: Callable[[Report], Figure] | None,
+    dpi: int = 100,
 ) -> list[Path]:
-    """Writes name.md, name.json and (when a picture helps) name.png."""
+    """Writes name.json, name.md and (when a picture helps) name.png from `plot`'s figure.
+
+    `report` is a JSON-ready dict, or a dataclass written as its fields."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md_path, json_path, png_path = (out_dir / f"{name}.{ext}" for ext in ("md", "json", "png"))
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    data = asdict(report) if is_dataclass(report) else report
+    json_path.write_text(json.dumps(data, indent=2) + "\n")
     md_path.write_text(render_markdown(report))
     if plot is None:
         return [md_path, json_path]
-    plot(report, png_path)
+    figure = plot(report)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=dpi)
+    _pyplot().close(figure)
     return [md_path, json_path, png_path]
 
 
-def announce(paths: list[Path], markdown: str) -> None:
-    """Tell the user where a report went, then show it."""
-    for path in paths:
-        print(f"wrote {path}")
-    print(markdown)
+def require_matplotlib() -> None:
+    """Fails with the fix before a benchmark runs (some take an hour), not when it plots."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("benchmark charts need matplotlib: pip install 'forklift[bench]'")
 
 
-def positive_ints(text: str, flag: str) -> tuple[int, ...]:
-    """A comma-separated command-line list of positive integers, e.g. "1,8,32"."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if min(values) < 1:
-        raise ValueError(f"{flag} must be positive integers, got {text!r}")
-    return values
+def subplots(*args: Any, **kwargs: Any) -> tuple[Figure, Any]:
+    """`matplotlib.pyplot.subplots` on the file-only Agg backend (the writer sets the PNG's dpi)."""
+    return _pyplot().subplots(*args, **kwargs)
+
+
+def _pyplot() -> ModuleType:
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, the rule, one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
 
 
 def cpu_flags() -> list[str]:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklift.bench.report import write_report_files
+from forklift.bench.report import subplots, write_report_files
 from forklift.bench.serve import ServeSettings, run_serve_bench
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -238,13 +241,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "scale", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(report: dict[str, Any]) -> Figure:
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
     concurrencies = report["settings"]["concurrencies"]
     width = 0.8 / len(report["measured"])
     for i, deployment in enumerate(report["measured"]):
@@ -263,6 +261,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.set_yscale("log")
     right.set_ylabel("all-reduce time per decode step (ms)")
     right.set_title("TP=2 at batch 8: NVLink vs network")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

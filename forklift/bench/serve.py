@@ -20,17 +20,20 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 
-from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.bench.server_process import forklift_server_process, llama_server_process
 from forklift.bench.stream_client import RequestTiming, request_body, stream_request
 from forklift.bench.synthetic_prompt import synthetic_prompt
-from forklift.model.model_source import resolve_model
+from forklift.checkpoint.source import resolve_model
 from forklift.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -407,15 +410,10 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str = "serve") -> 
     return write_report_files(report, out_dir, name, render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(report: dict[str, Any]) -> Figure:
     levels = report["levels"]
     conc = [lv["concurrency"] for lv in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4))
     left.plot(conc, [lv["output_tokens_per_s"] for lv in levels], "o-", color="#2a7ab0")
     left.set_xlabel("concurrency")
     left.set_ylabel("output tokens / s")
@@ -429,6 +427,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xticks(conc, [str(c) for c in conc])
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -23,14 +23,17 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
 
-from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.bench.server_process import forklift_server_process
 from forklift.bench.stream_client import sse_payloads
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -316,18 +319,11 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "soak", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(report: dict[str, Any]) -> Figure:
     samples = report["samples"]
-    fig, axis = plt.subplots(figsize=(7, 4))
+    fig, axis = subplots(figsize=(7, 4))
     axis.plot([s["completed"] for s in samples], [s["rss_mib"] for s in samples], "o-", ms=3)
     axis.set_xlabel("requests completed")
     axis.set_ylabel("server resident memory (MiB)")
     axis.set_title(f"Soak: {report['requests']} requests, {report['disconnects']} dropped")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

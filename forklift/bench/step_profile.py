@@ -12,15 +12,18 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from forklift.bench.decode import decode_step_budget, prefill_steps
-from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispatch")
 
@@ -65,7 +68,7 @@ def profile_decode(
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
     # enough tokens to last until every request decodes.
-    prefill = prefill_steps(batch, context, engine.scheduler.max_num_batched_tokens)
+    prefill = prefill_steps(batch, context, engine.config.resolve_max_num_batched_tokens())
     params = SamplingParams(temperature=0, max_tokens=steps + 3 + prefill, ignore_eos=True)
     before = engine.step_log[-1].index if engine.step_log else 0
     for _ in range(batch):
@@ -149,15 +152,10 @@ def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return write_report_files(report, out_dir, "profile", render_markdown, _plot)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(report: dict[str, Any]) -> Figure:
     breakdowns = report["breakdowns"]
     labels = [f"batch {b['batch_size']}" for b in breakdowns]
-    fig, axis = plt.subplots(figsize=(7, 4))
+    fig, axis = subplots(figsize=(7, 4))
     bottom = [0.0] * len(breakdowns)
     for category in CATEGORIES:
         values = [b["ms_per_step"][category] for b in breakdowns]
@@ -166,6 +164,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axis.set_ylabel("ms per decode step")
     axis.set_title("Decode step breakdown (eager)")
     axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

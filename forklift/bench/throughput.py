@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklift.bench.hf_baseline import load_hf_model, run_static_batches
-from forklift.bench.report import cpu_flags, write_report_files
+from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.bench.workload import DEFAULT_OUTPUT_LENGTHS, offline_mixed
+from forklift.hf_reference import load_hf_model, run_static_batches
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -56,13 +59,7 @@ def run_throughput(settings: ThroughputSettings) -> dict[str, Any]:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("the throughput benchmark needs a model with a tokenizer")
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-            add_special_tokens=False,
-        )
-        for text, _ in workload
-    ]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text, _ in workload]
     lengths = [length for _, length in workload]
     source_model = load_hf_model(engine.model_source, engine.model_config, engine.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -158,14 +155,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(report: dict[str, Any]) -> Figure:
     hf, fk = report["hf"], report["forklift"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 4))
     left.bar(["HF generate", "forklift"], [hf["output_tokens_per_s"], fk["output_tokens_per_s"]],
              color=["#999999", "#2a7ab0"])  # fmt: skip
     left.set_ylabel("output tokens / s")
@@ -176,6 +168,4 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("token slots")
     right.set_title("Static batching bubbles")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from forklift.core.scheduler_output import SamplingRow
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,6 +86,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(
+            self.sampling_params,
+            self.seed,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.eos_token_ids,
+            self.grammar,
+        )
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -19,57 +19,23 @@ boundary, and the step after it copies the state into each sample's slot.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.request import FinishReason, Request, RequestStatus
+from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from forklift.core.state_pool import StatePool
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # num_computed_tokens before this step: the position of the first new token.
-    start: int
-    # True when this chunk reaches the end of the request's tokens, so it yields a token.
-    samples: bool = False
-    # Hybrid models: the request's state slot (0, the zero slot, for other models).
-    state_slot: int = 0
-
-    @classmethod
-    def of(cls, request: Request, num_new_tokens: int, state_slot: int = 0) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        samples = start + num_new_tokens == request.num_tokens
-        return cls(request, num_new_tokens, start, samples, state_slot)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # (source, target) state slots the runner copies before this step's forward.
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         state_pool: StatePool | None = None,
         decode_step_prefill_tokens: int | None = None,
     ) -> None:
-        self.kv_cache = kv_cache
+        self.kv_manager = kv_manager
         # None: no bound beyond max_num_batched_tokens.
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
         self.state_pool = state_pool
@@ -80,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # Admission order: the newest request is last and is the first to be preempted.
         self.running: list[Request] = []
+        # Every unfinished request by id: the step's chunks name their request by id.
+        self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     @property
@@ -96,6 +64,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -128,8 +97,8 @@ class Scheduler:
         they share); None when there is no fork to make."""
         if self.state_pool is None or not request.followers:
             return None
-        shared = (request.num_prompt_tokens - 1) // self.kv_cache.block_size
-        return shared * self.kv_cache.block_size if shared else None
+        shared = (request.num_prompt_tokens - 1) // self.kv_manager.block_size
+        return shared * self.kv_manager.block_size if shared else None
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
         """Tokens of `request` this step computes from `start`, within the budgets (0: none);
@@ -153,7 +122,7 @@ class Scheduler:
                 continue
             if not self._reserve_or_preempt(request, num_new, out):
                 break
-            out.scheduled.append(ScheduledRequest.of(request, num_new, self._slot(request)))
+            out.scheduled.append(self._chunk_of(request, num_new))
             budget -= num_new
             idx += 1
         return budget
@@ -164,10 +133,10 @@ class Scheduler:
         Returns False when `request` itself had to be preempted.
         """
         total = request.num_computed_tokens + num_new
-        while not self.kv_cache.allocate_slots(request.request_id, total):
+        while not self.kv_manager.allocate_slots(request.request_id, total):
             victim = self.running.pop()
             self._preempt(victim)
-            out.preempted.append(victim)
+            out.preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
@@ -194,10 +163,10 @@ class Scheduler:
             budget -= item.num_new_tokens
         self.waiting.extendleft(reversed(passed_over))
 
-    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         """Reserve blocks for a waiting request's next chunk, starting from the longest cached
         prefix when it has nothing computed; None when blocks ran out (nothing changes)."""
-        kv = self.kv_cache
+        kv = self.kv_manager
         if self._waits_for_a_slot(request):
             return None
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
@@ -213,10 +182,23 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
         request.num_computed_tokens = start
-        return ScheduledRequest.of(request, num_new, self._slot(request))
+        return self._chunk_of(request, num_new)
+
+    def _chunk_of(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request.request_id,
+            request.all_token_ids[start:end],
+            start,
+            self.kv_manager.block_table(request.request_id),
+            max(min(end, request.num_prompt_tokens) - start, 0),
+            self._slot(request),
+            request.sampling_row() if end == request.num_tokens else None,
+        )
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
         request.num_computed_tokens = 0
@@ -230,11 +212,11 @@ class Scheduler:
         length. `sampled_token_ids[i]` is None for chunks that do not sample."""
         finished = []
         for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
-            request = item.request
-            if request.is_finished:  # aborted while the step ran
+            request = self.requests.get(item.request_id)
+            if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_full_blocks(
+            self.kv_manager.cache_full_blocks(
                 request.request_id,
                 request.all_token_ids,
                 request.num_computed_tokens,
@@ -264,18 +246,18 @@ class Scheduler:
         A hybrid leader releases them at the end of those blocks, and each sample that gets a
         state slot starts from a copy of the leader's state there; one that gets none computes
         the prompt itself."""
-        num_shared = (leader.num_prompt_tokens - 1) // self.kv_cache.block_size
+        num_shared = (leader.num_prompt_tokens - 1) // self.kv_manager.block_size
         for follower in leader.followers:
             follower.prefix_leader = None
-            untouched = follower.num_computed_tokens == 0 and not self.kv_cache.block_table(
+            untouched = follower.num_computed_tokens == 0 and not self.kv_manager.block_table(
                 follower.request_id
             )
             if follower.is_finished or not untouched or num_shared == 0:
                 continue
             if self.state_pool is not None and not self._fork_state(leader, follower):
                 continue
-            self.kv_cache.share_prefix(leader.request_id, follower.request_id, num_shared)
-            follower.num_computed_tokens = num_shared * self.kv_cache.block_size
+            self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared)
+            follower.num_computed_tokens = num_shared * self.kv_manager.block_size
         leader.followers = []
 
     def _fork_state(self, leader: Request, follower: Request) -> bool:
@@ -297,8 +279,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
+        self.requests.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from forklift.core.request_limits import check_context_length
-from forklift.engine.engine import LLMEngine, PromptType
+from forklift.core.input_processor import ProcessedPrompt, PromptType
+from forklift.engine.engine import LLMEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
@@ -51,8 +51,7 @@ class _Stream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    prompt: ProcessedPrompt
     arrival_time: float | None
 
 
@@ -98,16 +97,12 @@ class AsyncEngine:
             self._counter += 1
             return f"{prefix}-{self._counter}"
 
-    def validate(self, prompt: PromptType, params: SamplingParams) -> list[int]:
-        """Check a request before queueing it (read-only: safe off the engine thread).
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Check a request before `submit` (read-only: safe off the engine thread).
 
         Stricter than the offline engine: prompt plus max_tokens must fit in max_model_len
         (vLLM's server rule), where `LLMEngine` would stop the request at the limit."""
-        self.engine.validate_params(params)
-        _, ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt(ids)
-        check_context_length(len(ids), params.max_tokens, self.engine.max_model_len)
-        return ids
+        return self.engine.input_processor.process(prompt, params, strict_context=True)
 
     def num_pending(self) -> int:
         """Requests accepted but not yet running: queued commands plus the engine's queue."""
@@ -119,9 +114,10 @@ class AsyncEngine:
         return queued + self.engine.stats().num_waiting
 
     def submit(
-        self, requests: list[tuple[str, PromptType, SamplingParams]], arrival_time: float
+        self, requests: list[tuple[str, ProcessedPrompt]], arrival_time: float
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Queue requests (all or none) and return one output stream per request.
+        """Queue requests (all or none; each from `process`) and return one output stream per
+        request.
 
         The waiting-queue check and the queueing happen under one lock, so a burst can never
         overshoot `max_waiting_requests`. Leaving a stream early aborts its request.
@@ -136,10 +132,10 @@ class AsyncEngine:
             limit = self.max_waiting_requests
             if limit is not None and self._num_pending_locked() + len(requests) > limit:
                 raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
-            for request_id, prompt, params in requests:
+            for request_id, prompt in requests:
                 stream = _Stream(loop, asyncio.Queue())
                 self._streams[request_id] = stream
-                self._commands.append(_Add(request_id, prompt, params, arrival_time))
+                self._commands.append(_Add(request_id, prompt, arrival_time))
                 streams.append(self._read(request_id, stream))
         self._wake.set()
         return streams
@@ -299,9 +295,7 @@ class AsyncEngine:
             if stream is None:  # the caller left before its request was queued
                 continue
             try:
-                self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.arrival_time
-                )
+                self.engine.add_processed(command.request_id, command.prompt, command.arrival_time)
             except ValueError as exc:
                 stream.put(exc)
 

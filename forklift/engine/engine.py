@@ -6,32 +6,28 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
+from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
+from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from forklift.core.request import FinishReason, Request
-from forklift.core.request_limits import check_sampling_limits
-from forklift.core.scheduler import Scheduler, SchedulerOutput
+from forklift.core.scheduler import Scheduler
+from forklift.core.scheduler_output import SchedulerOutput
 from forklift.core.state_pool import StatePool
 from forklift.engine.output_processor import (
     OutputProcessor,
+    OutputSequence,
     ParentRequest,
-    Sequence,
     mark_first_token,
 )
-from forklift.model.model_source import (
-    iter_model_weights,
-    load_model_config,
-    quantization_plan,
-    resolve_model,
-)
+from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
@@ -52,8 +48,6 @@ def sample_seed(request_seed: int, index: int) -> int:
     """The seed of sample `index` of a request with `n > 1` samples."""
     return (request_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62)
 
-
-PromptType = str | list[int] | dict[str, Any]
 
 # Step records kept for inspection (tests, debugging); older ones are dropped.
 _STEP_LOG_SIZE = 4096
@@ -162,7 +156,7 @@ class LLMEngine:
         )
         self._check_kv_fits()
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
-        self.kv_cache = KVCacheManager(
+        self.kv_manager = KVCacheManager(
             self.kv_plan.num_blocks, config.block_size, self._prefix_caching_enabled()
         )
         # Bumped by every weight update; the prefix cache keys on it.
@@ -173,7 +167,7 @@ class LLMEngine:
             StatePool(self.kv_plan.num_state_slots) if self.model_config.is_hybrid else None
         )
         self.scheduler = Scheduler(
-            self.kv_cache,
+            self.kv_manager,
             self._max_running_sequences(),
             config.resolve_max_num_batched_tokens(),
             self.state_pool,
@@ -181,8 +175,11 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self.input_processor = InputProcessor(
+            config, self.tokenizer, self.grammars, self.model_config.vocab_size, self.max_model_len
+        )
         self._parents: dict[str, ParentRequest] = {}
-        self._sequences: dict[str, tuple[ParentRequest, Sequence]] = {}
+        self._sequences: dict[str, tuple[ParentRequest, OutputSequence]] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG_SIZE)
@@ -283,52 +280,6 @@ class LLMEngine:
         logger.info("%s", self.runner.quantization_report.summary())
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt (text, token ids or a {"prompt" | "prompt_token_ids"} dict) -> ids.
-
-        A dict with both keys is taken as already tokenized; its text is kept for outputs."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                _, ids = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
-                return (text if isinstance(text, str) else None), ids
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
-        raise ValueError(
-            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-        )
-
-    def validate_params(self, params: SamplingParams) -> None:
-        """Check the fields, then the per-request limits of the config (ValueError naming the
-        field): no request can ask for unbounded work, e.g. n=100000 sequences."""
-        params.validate()
-        check_sampling_limits(params, self.config, self.model_config.vocab_size)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # cached for add_request
-
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_ids)} tokens long, but max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one output token)"
-            )
-
     def add_request(
         self,
         request_id: str | None,
@@ -337,19 +288,27 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request; invalid input raises ValueError and leaves the engine untouched."""
-        if self.sleep_level:
-            raise ValueError("the engine is asleep: call wake_up() before generating")
-        params = params or SamplingParams()
-        self.validate_params(params)
-        text, prompt_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(prompt_ids)
-        cache_key = self._cache_key(prompt)
+        self._check_awake()  # before the prompt's checks: being asleep outranks a bad prompt
+        processed = self.input_processor.process(prompt, params or SamplingParams())
+        return self.add_processed(request_id, processed, arrival_time)
+
+    def add_processed(
+        self,
+        request_id: str | None,
+        processed: ProcessedPrompt,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a prompt `input_processor` already checked (e.g. on a server worker thread);
+        only what depends on the engine's state now (asleep, a taken id) is checked here."""
+        self._check_awake()
+        params, prompt_ids = processed.params, processed.prompt_token_ids
+        cache_key = repr((self.weight_version, processed.cache_salt)).encode()
         if request_id is None:
             request_id = self._fresh_id()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        parent = ParentRequest(request_id, text, prompt_ids, metrics)
+        parent = ParentRequest(request_id, processed.prompt, prompt_ids, metrics)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -373,7 +332,9 @@ class LLMEngine:
                 cache_key=cache_key,
                 grammar=grammars[index] if grammars else None,
             )
-            sequence = Sequence(index, request, self.output_processor.new_detokenizer(request))
+            sequence = OutputSequence(
+                index, request, self.output_processor.new_detokenizer(request)
+            )
             parent.sequences.append(sequence)
             self._sequences[seq_id] = (parent, sequence)
         self._parents[request_id] = parent
@@ -386,16 +347,9 @@ class LLMEngine:
             self.scheduler.add_request(sequence.request)
         return request_id
 
-    @staticmethod
-    def cache_salt(prompt: PromptType) -> str | None:
-        """The prompt dict's `cache_salt`: requests with different salts share no blocks."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-        return salt
-
-    def _cache_key(self, prompt: PromptType) -> bytes:
-        return repr((self.weight_version, self.cache_salt(prompt))).encode()
+    def _check_awake(self) -> None:
+        if self.sleep_level:
+            raise ValueError("the engine is asleep: call wake_up() before generating")
 
     def _fresh_id(self) -> str:
         while True:
@@ -404,7 +358,7 @@ class LLMEngine:
             if candidate not in self._parents:
                 return candidate
 
-    def abort_request(self, request_id: str | Seq[str]) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests wherever they are; their blocks are freed at once. Unknown ids are
         ignored (the request may have just finished)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -434,15 +388,14 @@ class LLMEngine:
             return []
         now = time.time()
         started = time.perf_counter()
-        for request in sched.preempted:
-            request.queued_time = now
+        for request_id in sched.preempted:
+            self._sequences[request_id][1].request.queued_time = now
         for item in sched.scheduled:
-            parent, _ = self._sequences[item.request.request_id]
+            parent, _ = self._sequences[item.request_id]
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
-        tables = [self.kv_cache.block_table(s.request.request_id) for s in sched.scheduled]
         try:
-            result = self.runner.execute(sched.scheduled, tables, sched.state_copies)
+            result = self.runner.execute(sched.scheduled, sched.state_copies)
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
@@ -455,8 +408,7 @@ class LLMEngine:
         touched: dict[str, ParentRequest] = {}
         if result.sampler_output is not None:
             for row, item in enumerate(result.sampled_items):
-                request = sched.scheduled[item].request
-                parent, sequence = self._sequences[request.request_id]
+                parent, sequence = self._sequences[sched.scheduled[item].request_id]
                 self._process_sample(sequence, result.sampler_output, row)
                 mark_first_token(parent.metrics)
                 touched[parent.request_id] = parent
@@ -468,7 +420,7 @@ class LLMEngine:
     ) -> None:
         self._num_steps += 1
         # Every scheduled sequence is still registered: finished ones leave in _emit, later.
-        parents = (self._sequences[s.request.request_id][0] for s in sched.scheduled)
+        parents = (self._sequences[s.request_id][0] for s in sched.scheduled)
         ids = tuple(dict.fromkeys(p.request_id for p in parents))
         self.step_log.append(
             StepRecord(
@@ -479,14 +431,11 @@ class LLMEngine:
                 sched.num_batched_tokens,
                 sampled,
                 len(sched.preempted),
-                sum(
-                    max(min(s.start + s.num_new_tokens, s.request.num_prompt_tokens) - s.start, 0)
-                    for s in sched.scheduled
-                ),
+                sum(s.num_prompt_tokens for s in sched.scheduled),
             )
         )
 
-    def _process_sample(self, sequence: Sequence, out: SamplerOutput, row: int) -> None:
+    def _process_sample(self, sequence: OutputSequence, out: SamplerOutput, row: int) -> None:
         request = sequence.request
         top = None
         if out.top_ids is not None:
@@ -562,7 +511,7 @@ class LLMEngine:
             return staged
         applied = self.runner.commit_weights()
         self.weight_version += 1
-        self.kv_cache.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
         return applied
 
     @property
@@ -577,7 +526,7 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.has_unfinished_requests():
             raise ValueError("cannot sleep with requests in flight: finish or abort them first")
-        self.kv_cache.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
         self.runner.free_kv_cache()
         if level == 2:
             self.runner.free_weights()
@@ -607,10 +556,10 @@ class LLMEngine:
     # ---- prefix cache --------------------------------------------------------------------
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block so none is reused; returns how many were dropped."""
-        return self.kv_cache.reset_prefix_cache()
+        return self.kv_manager.reset_prefix_cache()
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        kv = self.kv_cache
+        kv = self.kv_manager
         return PrefixCacheStats(
             kv.enable_prefix_caching, kv.num_query_tokens, kv.num_hit_tokens,
             kv.pool.num_cached_blocks, kv.pool.num_evictions,
@@ -620,7 +569,7 @@ class LLMEngine:
     def stats(self, with_running_slots: bool = False) -> EngineStats:
         """A snapshot of the scheduler's and KV cache's counters. `with_running_slots` adds
         every running request's reserved and used slots (a walk over the running batch)."""
-        scheduler, kv = self.scheduler, self.kv_cache
+        scheduler, kv = self.scheduler, self.kv_manager
         slots: tuple[tuple[int, int], ...] = ()
         if with_running_slots:
             slots = tuple(
@@ -640,7 +589,7 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.kv_cache.num_free_blocks
+        return self.kv_manager.num_free_blocks
 
     @property
     def num_usable_blocks(self) -> int:

@@ -16,7 +16,7 @@ from forklift.tokenizer import Tokenizer
 
 
 @dataclass(eq=False)
-class Sequence:
+class OutputSequence:
     """One engine sequence plus what the caller sees of it."""
 
     index: int
@@ -49,7 +49,7 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[OutputSequence] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -84,7 +84,7 @@ class OutputProcessor:
 
     def process_token(
         self,
-        sequence: Sequence,
+        sequence: OutputSequence,
         token_id: int,
         logprob: float | None,
         rank: int | None,
@@ -110,7 +110,7 @@ class OutputProcessor:
 
     def _record_logprobs(
         self,
-        sequence: Sequence,
+        sequence: OutputSequence,
         token_id: int,
         logprob: float,
         rank: int,

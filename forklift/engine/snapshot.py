@@ -91,7 +91,7 @@ def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapsh
     """Read the engine as it stands; call it between steps (on the engine thread)."""
     now = time.time()
     scheduler = engine.scheduler
-    kv = engine.kv_cache
+    kv = engine.kv_manager
     # Running first (admission order), then the head of the waiting queue in its order.
     waiting = list(itertools.islice(scheduler.waiting, MAX_WAITING_SHOWN))
     queued: list[Request] = [*scheduler.running, *waiting]
@@ -133,7 +133,7 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
         "decode_step_prefill_tokens": engine.scheduler.decode_step_prefill_tokens,
         "max_model_len": engine.max_model_len,
-        "prefix_caching": engine.kv_cache.enable_prefix_caching,
+        "prefix_caching": engine.kv_manager.enable_prefix_caching,
         "weight_version": engine.weight_version,
         "sleep_level": engine.sleep_level,
     }

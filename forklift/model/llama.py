@@ -8,7 +8,6 @@ projections are fused into single matmuls.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,21 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forklift.checkpoint.tensors import canonical_name, is_layer_name, is_unused
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
-from forklift.model.model_config import FULL_ATTENTION, LinearAttentionConfig, ModelConfig
+from forklift.model.model_config import ModelConfig
 from forklift.model.tensor_parallel import TensorParallelShard
+from forklift.model.weight_slots import expected_hf_names, is_ignored_hf_name, weight_slot
 
 if TYPE_CHECKING:
-    from forklift.runner.tp_group import TensorParallelGroup
+    from forklift.model.tp_group import TensorParallelGroup
 
 logger = logging.getLogger("forklift")
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# One layer's two cache tensors: key and value pages (attention) or conv and recurrent
+# state slots (a hybrid's linear layers).
+LayerCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def rms_norm(config: ModelConfig, size: int) -> nn.Module:
@@ -90,7 +93,7 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
         regions: LayerRegions,
     ) -> torch.Tensor:
@@ -191,16 +194,16 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[KVCache],
+        layer_caches: list[LayerCache],
         meta: AttentionMetadata,
         regions: LayerRegions = EAGER_REGIONS,
     ) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden] for a flat batch of tokens. `kv_caches`
+        """Final hidden states [num_tokens, hidden] for a flat batch of tokens. `layer_caches`
         holds each layer's cache: K and V, or a linear layer's conv and recurrent states."""
         hidden = self._embed(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, meta, regions)
+        for layer, cache in zip(self.layers, layer_caches, strict=True):
+            hidden = layer(hidden, rope, cache, meta, regions)
         return self.norm(hidden)
 
     def use_decode_attention(self, kernel: DecodeKernel) -> None:
@@ -270,15 +273,17 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unused = 0
         for hf_name, tensor in weights:
-            slot = weight_slot(hf_name, self.config)
-            unused += hf_name.startswith(_UNUSED_PREFIXES)
-            hf_name = canonical_hf_name(hf_name)
-            if slot is None:
+            if is_ignored_hf_name(hf_name, self.config):
+                unused += is_unused(hf_name)
                 continue
+            hf_name = canonical_name(hf_name)
+            slot = weight_slot(hf_name, self.config)
+            if slot is None and not is_layer_name(hf_name):
+                continue  # a model-wide tensor forklift does not know
+            if slot is None or slot.param not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             if self.shard is not None:
                 tensor = self.shard.shard(hf_name, tensor, self.full_config)
-            if slot.param not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
             dest = slot.view(params[slot.param].data)
             if dest.shape != tensor.shape:
                 raise ValueError(
@@ -304,130 +309,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
-
-
-@dataclass(frozen=True)
-class WeightSlot:
-    """Where one HF tensor lives in forklift's model: a parameter, or rows of a fused one."""
-
-    param: str
-    row_offset: int = 0
-    rows: int | None = None  # None: the whole parameter
-
-    @property
-    def key(self) -> str:
-        return f"{self.param}@{self.row_offset}"
-
-    def view(self, data: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return data
-        return data[self.row_offset : self.row_offset + self.rows]
-
-
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# A vision-language checkpoint nests its language model one level down.
-_LANGUAGE_MODEL_PREFIX = "model.language_model."
-# Its vision tower and multi-token-prediction head, which forklift does not run.
-_UNUSED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-
-
-def canonical_hf_name(hf_name: str) -> str:
-    if hf_name.startswith(_LANGUAGE_MODEL_PREFIX):
-        return "model." + hf_name.removeprefix(_LANGUAGE_MODEL_PREFIX)
-    return hf_name
-
-
-def is_ignored_hf_name(hf_name: str, config: ModelConfig) -> bool:
-    """Names a checkpoint may carry that forklift has no use for."""
-    return (
-        hf_name.endswith("rotary_emb.inv_freq")
-        or hf_name.startswith(_UNUSED_PREFIXES)
-        or (canonical_hf_name(hf_name) == "lm_head.weight" and config.tie_word_embeddings)
-    )
-
-
-def weight_slot(hf_name: str, config: ModelConfig) -> WeightSlot | None:
-    """HF parameter name -> its slot in forklift's model; None for names it does not use."""
-    if is_ignored_hf_name(hf_name, config):
-        return None
-    hf_name = canonical_hf_name(hf_name)
-    if hf_name == "model.embed_tokens.weight":
-        return WeightSlot("embed_tokens.weight")
-    if hf_name == "model.norm.weight":
-        return WeightSlot("norm.weight")
-    if hf_name == "lm_head.weight":
-        return WeightSlot("lm_head.weight")
-    match = _LAYER_RE.fullmatch(hf_name)
-    if match is None:
-        return None
-    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
-    if rest == "linear_attn.conv1d.weight":
-        return WeightSlot(prefix + "linear_attn.conv1d_weight")
-    q, kv, inter = config.q_proj_size, config.kv_size, config.intermediate_size
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-    }
-    if config.linear_attention is not None:
-        fused.update(_linear_attention_rows(config.linear_attention))
-    module, _, kind = rest.rpartition(".")
-    if module in fused:
-        fused_name, offset, rows = fused[module]
-        return WeightSlot(f"{prefix}{fused_name}.{kind}", offset, rows)
-    return WeightSlot(prefix + rest)
-
-
-def _linear_attention_rows(shape: LinearAttentionConfig) -> dict[str, tuple[str, int, int]]:
-    """Gated DeltaNet's four input projections, fused in row order q/k/v, z, b, a."""
-    qkv, z, heads = shape.conv_channels, shape.value_size, shape.num_value_heads
-    return {
-        "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0, qkv),
-        "linear_attn.in_proj_z": ("linear_attn.in_proj", qkv, z),
-        "linear_attn.in_proj_b": ("linear_attn.in_proj", qkv + z, heads),
-        "linear_attn.in_proj_a": ("linear_attn.in_proj", qkv + z + heads, heads),
-    }
-
-
-_COMMON_LAYER_NAMES = [
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-]
-_LINEAR_ATTENTION_NAMES = [
-    "linear_attn.in_proj_qkv.weight",
-    "linear_attn.in_proj_z.weight",
-    "linear_attn.in_proj_b.weight",
-    "linear_attn.in_proj_a.weight",
-    "linear_attn.conv1d.weight",
-    "linear_attn.dt_bias",
-    "linear_attn.A_log",
-    "linear_attn.norm.weight",
-    "linear_attn.out_proj.weight",
-]
-
-
-def expected_hf_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    attention = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-    ]
-    if config.qkv_bias:
-        attention += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if config.o_proj_bias:
-        attention.append("self_attn.o_proj.bias")
-    if config.qk_norm:
-        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(config.num_layers):
-        mixer = attention if config.layer_type(i) == FULL_ATTENTION else _LINEAR_ATTENTION_NAMES
-        names += [f"model.layers.{i}.{n}" for n in mixer + _COMMON_LAYER_NAMES]
-    return names

@@ -31,8 +31,9 @@ from forklift.model.layers.quantized import (
     int4_groups_from_dense,
     int4_kernel_available,
 )
-from forklift.model.llama import LlamaForCausalLM, expected_hf_names, weight_slot
+from forklift.model.llama import LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
+from forklift.model.weight_slots import expected_hf_names, weight_slot
 
 logger = logging.getLogger("forklift")
 

@@ -22,7 +22,7 @@ from forklift.model.llama import MLP, Attention, LayerRegions, LlamaForCausalLM,
 from forklift.model.model_config import FULL_ATTENTION, ModelConfig
 
 if TYPE_CHECKING:
-    from forklift.runner.tp_group import TensorParallelGroup
+    from forklift.model.tp_group import TensorParallelGroup
 
 
 class HybridDecoderLayer(nn.Module):

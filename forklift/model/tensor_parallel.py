@@ -13,14 +13,12 @@ layers (o_proj, down_proj) slice input columns and their partial sums are all-re
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import torch
 
+from forklift.checkpoint.tensors import Part, canonical_name, find
 from forklift.model.model_config import ModelConfig
-
-_LAYER_RE = re.compile(r"model\.layers\.\d+\.(.+)")
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -65,28 +63,28 @@ class TensorParallelShard:
         )
 
     def shard(self, hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-        """This rank's slice of a full HF tensor (a view where it can be)."""
-        d = config.head_dim
-        match = _LAYER_RE.fullmatch(hf_name)
-        rest = match.group(1) if match else hf_name
-        module = rest.rsplit(".", 1)[0]
-        if module == "self_attn.q_proj":
-            return tensor[self.q_heads[0] * d : self.q_heads[1] * d]
-        if module in ("self_attn.k_proj", "self_attn.v_proj"):
-            return tensor[self.kv_heads[0] * d : self.kv_heads[1] * d]
-        if module == "self_attn.o_proj":
-            return tensor[:, self.q_heads[0] * d : self.q_heads[1] * d]
-        if module in ("mlp.gate_proj", "mlp.up_proj"):
-            return tensor[self.intermediate[0] : self.intermediate[1]]
-        if module == "mlp.down_proj":
-            return tensor[:, self.intermediate[0] : self.intermediate[1]]
-        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        """This rank's slice of a full HF tensor (a view where it can be); how each tensor
+        splits is in the checkpoint's table (checkpoint/tensors.py)."""
+        found = find(canonical_name(hf_name))
+        split = None if found is None else found[0].split
+        if split is None:
+            return tensor  # norms: replicated
+        if split.part is Part.VOCAB:
             rows = tensor[self.vocab[0] : min(self.vocab[1], config.vocab_size)]
             missing = (self.vocab[1] - self.vocab[0]) - rows.shape[0]
             if missing:
                 rows = torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
             return rows
-        return tensor  # norms: replicated
+        start, end = self._range(split.part, config.head_dim)
+        return tensor.narrow(split.axis, start, end - start)
+
+    def _range(self, part: Part, head_dim: int) -> tuple[int, int]:
+        """[start, end) of this rank's part, in rows (or columns) of a tensor."""
+        if part is Part.Q_HEADS:
+            return self.q_heads[0] * head_dim, self.q_heads[1] * head_dim
+        if part is Part.KV_HEADS:
+            return self.kv_heads[0] * head_dim, self.kv_heads[1] * head_dim
+        return self.intermediate  # Part.INTERMEDIATE
 
 
 def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
@@ -101,36 +99,3 @@ def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
             f"tensor_parallel_size={world_size} exceeds the model's {config.num_kv_heads} KV "
             "heads: each rank must own at least one KV head (with its query heads)"
         )
-
-
-def hf_tensor_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None:
-    """The full (unsharded) shape of an HF tensor; None for a name the model does not have."""
-    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    q, kv = config.num_heads * d, config.num_kv_heads * d
-    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (v, h)
-    if hf_name == "model.norm.weight":
-        return (h,)
-    match = _LAYER_RE.fullmatch(hf_name)
-    if match is None:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-    }
-    if config.qkv_bias:
-        shapes.update({
-            "self_attn.q_proj.bias": (q,),
-            "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,),
-        })  # fmt: skip
-    if config.qk_norm:
-        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    return shapes.get(match.group(1))

@@ -13,15 +13,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from forklift.model.llama import (
-    LlamaForCausalLM,
+from forklift.model.llama import LlamaForCausalLM
+from forklift.model.weight_slots import (
     WeightSlot,
-    canonical_hf_name,
-    expected_hf_names,
+    hf_tensor_shape,
     is_ignored_hf_name,
     weight_slot,
 )
-from forklift.model.tensor_parallel import hf_tensor_shape
 
 
 class WeightUpdater:
@@ -31,7 +29,6 @@ class WeightUpdater:
         self._model = model
         self._config = model.full_config
         self._staged: dict[str, tuple[WeightSlot, torch.Tensor]] = {}
-        self._known_names = frozenset(expected_hf_names(self._config))
 
     @property
     def num_staged(self) -> int:
@@ -65,12 +62,9 @@ class WeightUpdater:
             raise ValueError(f"weight {hf_name!r} is a {type(tensor).__name__}, not a tensor")
         if is_ignored_hf_name(hf_name, self._config):
             return None
-        slot = weight_slot(hf_name, self._model.config)
-        known = canonical_hf_name(hf_name) in self._known_names
-        if slot is None or slot.param not in params or not known:
-            raise ValueError(f"unknown weight name {hf_name!r} for this model")
-        full_shape = self._full_shape(canonical_hf_name(hf_name), slot, params)
-        if full_shape is None:
+        slot = weight_slot(hf_name, self._model.config)  # this rank's rows of a fused param
+        full_shape = hf_tensor_shape(hf_name, self._config)
+        if slot is None or full_shape is None or slot.param not in params:
             raise ValueError(f"unknown weight name {hf_name!r} for this model")
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"weight {hf_name!r} has dtype {tensor.dtype}, not a float type")
@@ -85,14 +79,6 @@ class WeightUpdater:
         if not bool(torch.isfinite(staged).all()):
             raise ValueError(f"weight {hf_name!r} holds NaN or infinite values")
         return slot, staged
-
-    def _full_shape(
-        self, hf_name: str, slot: WeightSlot, params: dict[str, nn.Parameter]
-    ) -> tuple[int, ...] | None:
-        """The unsharded shape: on one rank, that of the tensor's place in the model."""
-        if self._model.shard is not None:
-            return hf_tensor_shape(hf_name, self._config)
-        return tuple(slot.view(params[slot.param].data).shape)
 
     def commit(self) -> int:
         """Copy every staged tensor into the model; returns how many."""

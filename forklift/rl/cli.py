@@ -1,17 +1,20 @@
-"""`forklift rl grpo` and `forklift bench grpo`: the GRPO loop from the command line."""
+"""`forklift rl grpo`: the GRPO loop from the command line. Its flags and config are shared
+with `forklift bench grpo`, which builds on them (rl imports no benchmark)."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
-from pathlib import Path
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from forklift.rl.grpo import GRPOConfig
 
 # Settings small enough for a test (well under 3 minutes here).
-QUICK = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 4}
+QUICK: Mapping[str, int] = MappingProxyType(
+    {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 4}
+)
 
 
 def add_grpo_args(parser: argparse.ArgumentParser) -> None:
@@ -57,37 +60,3 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
     trainer = GRPOTrainer(config_from_args(args, rollout=args.rollout))
     trainer.run(lambda stats: print(stats.line(), flush=True))
     return 0
-
-
-def add_bench_grpo_parser(bench_sub: argparse._SubParsersAction) -> None:
-    parser = bench_sub.add_parser("grpo", help="GRPO step time: forklift vs HF rollouts")
-    add_grpo_args(parser)
-    parser.add_argument("--hf-steps", type=int, default=None, help="steps with HF rollouts")
-    parser.add_argument("--out-dir", default="benchmarks")
-    parser.set_defaults(func=_cmd_bench_grpo)
-
-
-def _cmd_bench_grpo(args: argparse.Namespace) -> int:
-    from forklift.bench.grpo import render_markdown, run_grpo_bench, write_report
-    from forklift.bench.report import announce
-
-    config = config_from_args(args)
-    hf_steps = args.hf_steps if args.hf_steps is not None else (1 if args.quick else 5)
-    if hf_steps < 1:
-        raise ValueError(f"--hf-steps must be >= 1, got {hf_steps}")
-    report = run_grpo_bench(config, hf_steps, log=lambda line: print(line, flush=True))
-    report["command"] = "forklift bench grpo" + _flags(args)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
-    return 0
-
-
-def _flags(args: argparse.Namespace) -> str:
-    parts = ["--quick"] if args.quick else []
-    for name in ("model", "steps", "prompts_per_step", "group_size", "max_tokens",
-                 "temperature", "learning_rate", "kl_coef", "seed", "hf_steps"):  # fmt: skip
-        value = getattr(args, name)
-        if value is not None:
-            parts += [f"--{name.replace('_', '-')}", str(value)]
-    if args.task != "arithmetic":
-        parts += ["--task", args.task]
-    return (" " + shlex.join(parts)) if parts else ""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forklift.bench.hf_baseline import load_hf_model
+from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
 from forklift.rl.rollouts import Rollout, forklift_rollouts, hf_rollouts
 from forklift.rl.tasks import get_task
@@ -139,8 +139,7 @@ class GRPOTrainer:
         self._sync_weights()
 
     def _encode(self, question: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat([{"role": "user", "content": question}])
 
     def _sync_weights(self) -> float:
         start = time.perf_counter()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forklift.bench.hf_baseline import left_padded
+from forklift.hf_reference import left_padded
 from forklift.llm import LLM
 from forklift.sampling_params import SamplingParams
 

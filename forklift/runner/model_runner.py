@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from forklift.core.scheduler import ScheduledRequest
+from forklift.core.scheduler_output import ScheduledChunk
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 from forklift.model.layers.rotary import RotaryEmbedding
-from forklift.model.llama import EAGER_REGIONS, KVCache, LlamaForCausalLM, compiled_regions
+from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.quantize import (
     NO_QUANTIZATION,
@@ -25,6 +25,7 @@ from forklift.model.quantize import (
 )
 from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.model.tensor_parallel import TensorParallelShard
+from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
@@ -38,7 +39,7 @@ from forklift.runner.memory import (
     plan_kv_cache,
     total_device_memory,
 )
-from forklift.runner.tp_group import TensorParallelGroup
+from forklift.runner.mirroring import RankMirror, mirrored
 from forklift.sampling.metadata import SamplingBatch
 from forklift.sampling.sampler import SamplerOutput, sample
 
@@ -85,7 +86,7 @@ class ModelRunner:
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
-        the others, which mirror every call it makes (see `tp_workers.serve_rank`)."""
+        the others, which run every `@mirrored` call it makes (runner/mirroring.py)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -96,13 +97,14 @@ class ModelRunner:
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
         self.tp = tp
+        self.mirror = RankMirror(tp)
         self.shard = (
             None if tp is None else TensorParallelShard.plan(model_config, tp.rank, tp.world_size)
         )
         self.model = self._build_model()
         self._weight_updater = WeightUpdater(self.model)
         # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
-        self.kv_caches: list[KVCache] = []
+        self.layer_caches: list[LayerCache] = []
         self._kv_cache_tensor: torch.Tensor | None = None
         self._conv_states: torch.Tensor | None = None
         self._recurrent_states: torch.Tensor | None = None
@@ -161,18 +163,14 @@ class ModelRunner:
         self.quantization_report = quantize_model(model, self.quantization)
         return model
 
-    def _tell_workers(self, method: str, *args: object) -> None:
-        """Rank 0 only: have every other rank run the same method with the same arguments."""
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.broadcast_object((method, args))
-
     def shutdown(self) -> None:
-        self._tell_workers("shutdown")
+        """Release the other tensor-parallel ranks: their serving loops end."""
+        self.mirror.stop()
 
+    @mirrored
     def _profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
         """The largest step the scheduler can build: one full-budget prefill chunk, plus logits
         and sampling for up to max_num_seqs rows."""
-        self._tell_workers("_profile_forward", num_tokens, max_num_seqs)
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(blocks, 1)
@@ -184,14 +182,14 @@ class ModelRunner:
         )
         meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         with torch.inference_mode():
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            hidden = self.model(ids, positions, self.layer_caches, meta)
             rows = min(max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             logits.sort(dim=-1)
         self._free_kv_cache()
 
+    @mirrored
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
-        self._tell_workers("allocate_kv_cache", num_blocks, num_state_slots)
         self._allocate_kv_cache(num_blocks, num_state_slots)
         self._warm_up_decode_attention()
 
@@ -205,7 +203,7 @@ class ModelRunner:
         kernel = self.model.layers[layer].decode_attention
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
-        key_cache, value_cache = self.kv_caches[layer]
+        key_cache, value_cache = self.layer_caches[layer]
         seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
         # As in a step: index tensors built outside inference mode, queries inside it (dynamo
         # guards on the difference).
@@ -217,7 +215,6 @@ class ModelRunner:
             kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
     def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
-        # Methods that other ranks mirror call only these unannounced helpers inside.
         cfg = self.model.config  # this rank's KV heads
         attention = cfg.attention_layers
         # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
@@ -230,14 +227,14 @@ class ModelRunner:
         self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
         self._unwritten_blocks[0] = False
         self._kv_cache_tensor = cache
-        caches: dict[int, KVCache] = {
+        caches: dict[int, LayerCache] = {
             layer: (cache[i, 0], cache[i, 1]) for i, layer in enumerate(attention)
         }
         caches.update(self._allocate_states(num_state_slots))
-        self.kv_caches = [caches[i] for i in range(cfg.num_layers)]
+        self.layer_caches = [caches[i] for i in range(cfg.num_layers)]
         self._reset_captures()  # captures hold the old cache's addresses
 
-    def _allocate_states(self, num_slots: int) -> dict[int, KVCache]:
+    def _allocate_states(self, num_slots: int) -> dict[int, LayerCache]:
         """Per-sequence state slots of a hybrid model's linear layers (plus the zero slot)."""
         cfg = self.model.config
         shape = cfg.linear_attention
@@ -260,12 +257,12 @@ class ModelRunner:
         tensors = (self._kv_cache_tensor, self._conv_states, self._recurrent_states)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    @mirrored
     def free_kv_cache(self) -> None:
-        self._tell_workers("free_kv_cache")
         self._free_kv_cache()
 
     def _free_kv_cache(self) -> None:
-        self.kv_caches = []
+        self.layer_caches = []
         self._kv_cache_tensor = None
         self._conv_states = self._recurrent_states = None
         self._unwritten_blocks = np.zeros(0, dtype=bool)
@@ -275,32 +272,31 @@ class ModelRunner:
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
+    @mirrored
     def free_weights(self) -> None:
         """Release every parameter's storage; `reload_weights` brings them back."""
-        self._tell_workers("free_weights")
         self._weight_updater.discard()
         self.model.unpack_weights()
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
+    @mirrored
     def reload_weights(self) -> None:
         """Rebuild the model from the original weights."""
-        self._tell_workers("reload_weights")
         self.model = self._build_model()
         self._weight_updater = WeightUpdater(self.model)
         self._reset_captures()  # captures hold the old parameters' addresses
 
     # ---- weight updates -----------------------------------------------------------------
+    @mirrored(rank0_first=True)
     def stage_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Check and stage full HF tensors (see WeightUpdater). Rank 0 checks them before
         any other rank sees them, so a bad update fails on every rank or on none."""
-        staged = self._weight_updater.stage(named_tensors)
-        self._tell_workers("stage_weights", named_tensors)
-        return staged
+        return self._weight_updater.stage(named_tensors)
 
+    @mirrored
     def commit_weights(self) -> int:
-        self._tell_workers("commit_weights")
         changed = self._weight_updater.staged_params
         applied = self._weight_updater.commit()
         # The packed and quantized copies derive from the weights.
@@ -315,31 +311,29 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     def execute(
         self,
-        scheduled: list[ScheduledRequest],
-        block_tables: list[list[int]],
+        scheduled: list[ScheduledChunk],
         state_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
         key = self._capture_key(scheduled)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
         inputs = self.prepare_inputs(
-            scheduled, block_tables, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
+            scheduled, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
         )
-        sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
+        sampled_items = [i for i, item in enumerate(scheduled) if item.sampling is not None]
         logits = self.forward_step(inputs, key)
         if logits is None:
             return StepResult([], None)
         with torch.inference_mode():
-            batch = SamplingBatch.from_requests(
-                [scheduled[i].request for i in sampled_items], self.device, logits.shape[1]
-            )
+            rows = [row for item in scheduled if (row := item.sampling) is not None]
+            batch = SamplingBatch.from_rows(rows, self.device, logits.shape[1])
             return StepResult(sampled_items, sample(logits, batch))
 
+    @mirrored
     def forward_step(
         self, inputs: StepInputs, key: CaptureKey | None = None
     ) -> torch.Tensor | None:
         """The model on one step's inputs; logits of the sampling rows (None if none)."""
-        self._tell_workers("forward_step", inputs, key)
         with torch.inference_mode():
             if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
                 self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
@@ -350,7 +344,9 @@ class ModelRunner:
                     key, inputs.input_ids, inputs.positions, inputs.meta
                 )
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta
+                )
             if inputs.sample_index.numel() == 0:
                 return None
             return self.model.compute_logits(hidden[inputs.sample_index])
@@ -369,7 +365,7 @@ class ModelRunner:
             return None
         return build_linear_metadata(starts, query_lens, slots, shape.conv_kernel, self.device)
 
-    def _capture_key(self, scheduled: list[ScheduledRequest]) -> CaptureKey | None:
+    def _capture_key(self, scheduled: list[ScheduledChunk]) -> CaptureKey | None:
         """The captured shape for a pure-decode step; None runs the step eagerly."""
         capture = self.decode_capture
         if capture is None or any(s.num_new_tokens != 1 for s in scheduled):
@@ -381,13 +377,16 @@ class ModelRunner:
 
     def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
         return self.model(
-            static.input_ids, static.positions, self.kv_caches, static.meta, self._captured_regions
+            static.input_ids,
+            static.positions,
+            self.layer_caches,
+            static.meta,
+            self._captured_regions,
         )
 
     def prepare_inputs(
         self,
-        scheduled: list[ScheduledRequest],
-        block_tables: list[list[int]],
+        scheduled: list[ScheduledChunk],
         *,
         pad_to: int | None = None,
         kv_width: int = 0,
@@ -397,12 +396,7 @@ class ModelRunner:
         block (they sample nothing); `kv_width` widens the key tensors to a fixed size."""
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
         query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        ids = np.concatenate(
-            [
-                np.asarray(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
-                for s in scheduled
-            ]
-        ).astype(np.int64)
+        ids = np.concatenate([np.asarray(s.token_ids) for s in scheduled]).astype(np.int64)
         sampling = np.array([s.samples for s in scheduled], dtype=bool)
         rows = len(scheduled) if pad_to is None else pad_to
         padding = rows - len(scheduled)
@@ -411,10 +405,10 @@ class ModelRunner:
             query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
             ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
             sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
-        width = max(len(t) for t in block_tables)
+        width = max(len(s.block_table) for s in scheduled)
         table = np.zeros((rows, width), dtype=np.int64)
-        for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = blocks
+        for row, s in enumerate(scheduled):
+            table[row, : len(s.block_table)] = s.block_table
         meta, positions = build_attention_metadata(
             starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
         )

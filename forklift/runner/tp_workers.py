@@ -2,8 +2,8 @@
 
 The engine's process is rank 0: it schedules, samples and drives. Ranks 1..N-1 are spawned
 processes that each build a `ModelRunner` over their shard and then mirror rank 0: every
-runner call rank 0 makes (a forward step, KV allocation, a weight update...) is broadcast as
-(method, arguments) and executed on every rank, so the collectives inside line up.
+`@mirrored` runner call rank 0 makes (a forward step, KV allocation, a weight update...) is
+broadcast as (method, arguments) and executed on every rank (runner/mirroring.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
+from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.model.model_config import ModelConfig
-from forklift.model.model_source import (
-    iter_model_weights,
-    load_model_config,
-    quantization_plan,
-    resolve_model,
-)
+from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.tensor_parallel import check_tensor_parallel_size
-from forklift.runner.tp_group import TensorParallelGroup, connect_store, create_store
+from forklift.model.tp_group import TensorParallelGroup, connect_store, create_store
+from forklift.runner.mirroring import follow_rank0
 
 logger = logging.getLogger("forklift")
 
@@ -183,8 +180,4 @@ def _serve_rank(rank: int, world: int, store: dist.Store, spec: RankSpec) -> Non
         tp=group,
         quantization=quantization_plan(source, model_config, spec.quantization),
     )
-    while True:
-        method, args = group.broadcast_object()
-        if method == "shutdown":
-            return
-        getattr(runner, method)(*args)
+    follow_rank0(runner, group)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from forklift.core.request import Request
+from forklift.core.scheduler_output import SamplingRow
 from forklift.structured.grammar import bitmask_width, fill_bitmasks
 
 
@@ -24,8 +25,8 @@ class SamplingBatch:
     steps: torch.Tensor  # [N] int64: index of the token being sampled in the output
     # Token ids (one list per row) that must not be sampled yet (min_tokens).
     banned_token_ids: list[list[int]]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
+    prompt_token_ids: list[Sequence[int]]
+    output_token_ids: list[Sequence[int]]
     num_logprobs: list[int | None]
     raw_logprobs: torch.Tensor  # [N] bool: logprobs of the raw distribution, not the processed
     # Structured outputs: the rows under a grammar, and their allowed tokens as bits
@@ -61,12 +62,12 @@ class SamplingBatch:
         return max(asked) if asked else None
 
     @classmethod
-    def from_requests(
-        cls, requests: list[Request], device: torch.device, vocab_size: int = 0
+    def from_rows(
+        cls, rows: list[SamplingRow], device: torch.device, vocab_size: int = 0
     ) -> SamplingBatch:
         """`vocab_size` (the logits' width) sizes the token bitmask of grammar rows."""
-        params = [r.sampling_params for r in requests]
-        grammar_rows, token_bitmask = _grammar_bitmask(requests, vocab_size, device)
+        params = [r.params for r in rows]
+        grammar_rows, token_bitmask = _grammar_bitmask(rows, vocab_size, device)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -82,11 +83,11 @@ class SamplingBatch:
             repetition_penalty=floats([p.repetition_penalty for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
-            seeds=longs([r.seed for r in requests]),
-            steps=longs([r.num_output_tokens for r in requests]),
-            banned_token_ids=[_banned_tokens(r) for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            seeds=longs([r.seed for r in rows]),
+            steps=longs([r.num_output_tokens for r in rows]),
+            banned_token_ids=[_banned_tokens(r) for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
             num_logprobs=[p.logprobs for p in params],
             raw_logprobs=torch.tensor(
                 [p.logprobs_mode == "raw" for p in params], dtype=torch.bool, device=device
@@ -97,24 +98,24 @@ class SamplingBatch:
 
 
 def _grammar_bitmask(
-    requests: list[Request], vocab_size: int, device: torch.device
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
         return None, None
-    bitmask = np.zeros((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
-    fill_bitmasks([g for r in requests if (g := r.grammar) is not None], bitmask)
+    bitmask = np.zeros((len(constrained), bitmask_width(vocab_size)), dtype=np.int32)
+    fill_bitmasks([g for r in rows if (g := r.grammar) is not None], bitmask)
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(constrained, dtype=torch.int64, device=device),
         torch.from_numpy(bitmask).to(device),
     )
 
 
-def _banned_tokens(request: Request) -> list[int]:
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+def _banned_tokens(row: SamplingRow) -> list[int]:
+    params = row.params
+    if row.num_output_tokens >= params.min_tokens:
         return []
     banned = set(params.stop_token_ids)
     if not params.ignore_eos:
-        banned |= request.eos_token_ids
+        banned |= row.eos_token_ids
     return sorted(banned)

@@ -8,6 +8,7 @@ same tokens again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,9 @@ def apply_token_bitmask(
     return logits
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _token_counts(
+    token_lists: list[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
     """[N, vocab] occurrence counts, built with one scatter over a padded id matrix."""
     width = max((len(t) for t in token_lists), default=0)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)

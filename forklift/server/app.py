@@ -13,7 +13,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forklift import __version__
 from forklift.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -37,6 +36,7 @@ from forklift.server.protocol import (
 from forklift.server.serving import ServerContext
 from forklift.server.status import STATUS_JSON_PATH, SnapshotSource, add_status_routes
 from forklift.server.tool_parsers import make_parser
+from forklift.version import __version__
 
 
 def build_app(

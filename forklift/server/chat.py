@@ -58,7 +58,7 @@ def chat_prompt_ids(
         ctx.tool_call_parser,
     )
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.encode_chat(
             conversation,
             add_generation_prompt=add_generation_prompt,
             tools=template_tools,
@@ -66,7 +66,6 @@ def chat_prompt_ids(
         )
     except (ValueError, TypeError) as exc:  # TypeError: a template choking on request data
         raise APIError(400, f"the chat template failed on this request: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def create_chat_completion(

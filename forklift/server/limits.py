@@ -1,7 +1,7 @@
 """Limits of the HTTP layer: body bytes, prompts per request, fields the engine never sees.
 
 The engine's own per-request limits (n, logprobs, stop strings, stop_token_ids) are
-EngineConfig fields, checked in `LLMEngine.validate_params`; these are the server's.
+EngineConfig fields, checked by `core/input_processor.py`; these are the server's.
 """
 
 from __future__ import annotations

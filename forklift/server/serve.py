@@ -11,9 +11,9 @@ from typing import TextIO
 
 import uvicorn
 
+from forklift.checkpoint.source import DEFAULT_MODEL_FILE
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
-from forklift.model.model_source import DEFAULT_MODEL_FILE
 from forklift.server.announce import ready_line
 from forklift.server.app import build_app
 from forklift.server.exposure import check_trainer_routes_exposure

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from forklift.core.input_processor import ProcessedPrompt
 from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
@@ -68,24 +69,19 @@ async def launch(
     Validation reads every token id, so it runs in a worker thread; queueing stays on the
     event loop, whose streams the engine thread feeds."""
     engine = ctx.async_engine
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
 
-    def validate_all() -> list[list[int]]:
-        return [engine.validate({"prompt_token_ids": p}, params) for p in prompts]
+    def process_all() -> list[ProcessedPrompt]:
+        return [engine.process({"prompt_token_ids": p, **salt}, params) for p in prompts]
 
     try:
-        ids = await asyncio.to_thread(validate_all)
+        processed = await asyncio.to_thread(process_all)
     except ValueError as exc:
         raise bad_request(exc) from exc
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
-    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-    streams = engine.submit(
-        [
-            (f"{response_id}-{i}", {"prompt_token_ids": p, **salt}, params)
-            for i, p in enumerate(ids)
-        ],
-        arrival,
-    )
+    streams = engine.submit([(f"{response_id}-{i}", p) for i, p in enumerate(processed)], arrival)
+    ids = [p.prompt_token_ids for p in processed]
     return Launch(response_id, int(arrival), ids, merge_streams(streams))
 
 

@@ -1,4 +1,5 @@
-"""The seed's baseline: Hugging Face transformers `generate()` with static batches."""
+"""Hugging Face transformers as the reference: the same weights in its model class, and
+`generate()` with static batches (the seed's baseline). transformers is imported lazily."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from forklift.checkpoint.source import ModelSource
 from forklift.model.model_config import ModelConfig
-from forklift.model.model_source import ModelSource, iter_model_weights
+from forklift.model.model_source import iter_model_weights
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""Opening a llama.cpp GGUF file: checked up front, so a bad file fails with its name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+_GGUF_MAGIC = b"GGUF"
+
+
+class _PlainArrayReader(gguf.GGUFReader):
+    """GGUFReader that parses through a plain ndarray view of its memory map.
+
+    Slicing an `np.memmap` goes through Python-level subclass hooks; the metadata of a
+    model with a 49k-token vocabulary takes hundreds of thousands of slices, so a plain
+    view of the same mapped buffer parses it about 3x faster.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain_data = mapped.view(np.ndarray)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open and validate a GGUF file; every failure is a `ValueError` naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"GGUF file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"GGUF path {path} is not a file")
+    _check_magic(path)
+    try:
+        reader = _PlainArrayReader(path)
+    except Exception as exc:  # the reader fails with assorted numpy/enum/key errors
+        raise ValueError(f"GGUF file {path} is truncated or corrupt: {exc}") from exc
+    _check_tensor_extents(path, reader)
+    return reader
+
+
+def _check_magic(path: Path) -> None:
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(len(_GGUF_MAGIC))
+    except OSError as exc:
+        raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (bad magic {magic!r})")
+
+
+def _check_tensor_extents(path: Path, reader: gguf.GGUFReader) -> None:
+    # The reader memory-maps the file, so a short file might only fail when data is touched.
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise ValueError(
+                f"GGUF file {path} is truncated: tensor {tensor.name} ends at byte {end} "
+                f"but the file has {size} bytes"
+            )

@@ -1,0 +1,75 @@
+"""What the scheduler hands the runner for one step, as plain data: no engine objects, so the
+runner and sampler depend on nothing above them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from forklift.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from forklift.structured.grammar import GrammarMatcher
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs of one sequence that yields a token this step."""
+
+    params: SamplingParams
+    # Seed of this sequence's sampling noise.
+    seed: int
+    # Views of the sequence's tokens, read during the step and never changed by it.
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+    # Structured outputs: the sequence's place in its grammar (masks come from it).
+    grammar: GrammarMatcher | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One sequence's tokens computed this step: a prefill chunk, a decode or a recompute."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    # The position of the first of `token_ids` (tokens before it are in the KV cache).
+    start: int
+    # The sequence's KV blocks, in order, covering `start + len(token_ids)` positions.
+    block_table: Sequence[int]
+    # Prompt tokens among `token_ids` (the rest are outputs: decodes or their recompute).
+    num_prompt_tokens: int = 0
+    # Hybrid models: the sequence's state slot (0, the zero slot, for other models).
+    state_slot: int = 0
+    # Set when this chunk reaches the end of the sequence's tokens, so it yields a token.
+    sampling: SamplingRow | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    # Ids of the sequences preempted this step (their blocks were freed).
+    preempted: list[str] = field(default_factory=list)
+    # (source, target) state slots the runner copies before this step's forward.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
