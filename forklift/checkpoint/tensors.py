@@ -84,7 +84,7 @@ class CheckpointTensor:
     skipped_without_need: bool = False
 
     def hf_name(self, layer: int | None) -> str:
-        return self.name if layer is None else f"{_LAYER_PREFIX}{layer}.{self.name}"
+        return self.name if layer is None else layer_name(layer, self.name)
 
     def param_name(self, layer: int | None) -> str:
         return self.param if layer is None else f"layers.{layer}.{self.param}"
@@ -184,6 +184,11 @@ def find(hf_name: str) -> tuple[CheckpointTensor, int | None] | None:
     return None if row is None else (row, int(match.group(1)))
 
 
+def layer_name(layer: int, name: str) -> str:
+    """The full HF name of decoder layer `layer`'s tensor `name`."""
+    return f"{_LAYER_PREFIX}{layer}.{name}"
+
+
 def is_layer_name(hf_name: str) -> bool:
     """Named as a decoder layer's tensor (whether or not the table has it)."""
     return _LAYER_NAME.fullmatch(hf_name) is not None
@@ -202,4 +207,5 @@ def is_unused(hf_name: str) -> bool:
 
 
 def is_derived(hf_name: str) -> bool:
+    """A buffer the model recomputes from its config (never loaded)."""
     return hf_name.endswith(_DERIVED_SUFFIX)

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from forklift.checkpoint.tensors import layer_name
 from forklift.model.layers.quantized import GROUP_SIZE, Int4Groups
 from forklift.model.model_config import ModelConfig
 
@@ -167,7 +168,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     if layer is not None:
         index, part, kind = layer.groups()
         if part in _LAYER_TENSORS:
-            return f"model.layers.{index}.{_LAYER_TENSORS[part]}.{kind}"
+            return layer_name(int(index), f"{_LAYER_TENSORS[part]}.{kind}")
     else:
         top = _GLOBAL_NAME.fullmatch(gguf_name)
         if top is not None and top.group(1) in _GLOBAL_TENSORS:

@@ -9,6 +9,7 @@ from pathlib import Path
 import safetensors
 import torch
 
+from forklift.checkpoint.tensors import is_derived
 from forklift.model.model_config import ModelConfig
 
 # Pickle-based checkpoint formats; loading them could execute arbitrary code, so they are refused.
@@ -60,13 +61,8 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         with safetensors.safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                if _is_derived_buffer(name):
+                if is_derived(name):
                     continue
                 yield name, handle.get_tensor(name)
     except (safetensors.SafetensorError, OSError) as exc:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
-
-
-def _is_derived_buffer(name: str) -> bool:
-    # Older checkpoints saved rotary inverse frequencies; they are recomputed from the config.
-    return name.endswith("rotary_emb.inv_freq")
