@@ -266,6 +266,21 @@ def test_duplicate_request_id_is_rejected(llm):
         engine.step()
 
 
+def test_a_request_id_may_not_clash_with_another_requests_sample_ids(llm):
+    # Samples of "x" are "x#0" and "x#1": a request named "x#1" would share a sequence id.
+    engine = llm.llm_engine
+    engine.add_request("x", "w1 w2", SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x#1", "w1 w2", SamplingParams(max_tokens=2))
+    engine.add_request("y#0", "w1 w2", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("y", "w1 w2", SamplingParams(n=2, max_tokens=2))
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"x", "y#0"}
+
+
 def test_unknown_engine_argument_is_an_error(tiny_dir):
     with pytest.raises(ValueError, match="unknown engine argument.*max_num_sequences"):
         LLM(model=str(tiny_dir), max_num_sequences=4)

@@ -77,7 +77,7 @@ def _run(
     to compute its prompt), like a stream of requests that share a system prompt; otherwise
     all arrive at once.
     """
-    stats_before = engine.prefix_cache_stats()
+    stats_before = engine.stats().prefix_cache
     start = time.perf_counter()
     finals: dict[str, RequestOutput] = {}
     peak = 0
@@ -87,7 +87,8 @@ def _run(
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
-        peak = max(peak, engine.num_usable_blocks - engine.num_free_blocks)
+        counters = engine.stats()
+        peak = max(peak, counters.num_usable_blocks - counters.num_free_blocks)
 
     queue = list(enumerate(zip(prompts, params, strict=True)))
     waves = [queue[:1], queue[1:]] if first_alone else [queue]
@@ -102,7 +103,7 @@ def _run(
     outputs = [finals[f"{label}-{i}"] for i in range(len(prompts))]
     produced = [len(c.token_ids) for o in outputs for c in o.outputs]
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
-    stats = engine.prefix_cache_stats()
+    stats = engine.stats().prefix_cache
     return RunResult(
         label=label,
         wall_s=wall,

@@ -40,7 +40,8 @@ class ScheduledChunk:
     token_ids: Sequence[int]
     # The position of the first of `token_ids` (tokens before it are in the KV cache).
     start: int
-    # The sequence's KV blocks, in order, covering `start + len(token_ids)` positions.
+    # The sequence's KV blocks in order, covering `start + len(token_ids)` positions: a view
+    # of the KV manager's table, valid for this step (read before the next schedule()).
     block_table: Sequence[int]
     # Prompt tokens among `token_ids` (the rest are outputs: decodes or their recompute).
     num_prompt_tokens: int = 0

@@ -307,6 +307,10 @@ class LLMEngine:
             request_id = self._fresh_id()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        clash = next((seq_id for seq_id in seq_ids if seq_id in self._sequences), None)
+        if clash is not None:  # e.g. "x#0" beside another request "x" with n > 1
+            raise ValueError(f"request_id {request_id!r} is already in use (as {clash!r})")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         parent = ParentRequest(request_id, processed.prompt, prompt_ids, metrics)
         room = self.max_model_len - len(prompt_ids)
@@ -319,8 +323,7 @@ class LLMEngine:
         )
         constraint = params.structured_outputs
         grammars = self.grammars.matchers(constraint, params.n) if constraint else None
-        for index in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        for index, seq_id in enumerate(seq_ids):
             request = Request(
                 request_id=seq_id,
                 prompt_token_ids=prompt_ids,

@@ -18,7 +18,14 @@ from forklift.model.layers.attention import AttentionMetadata, paged_attention, 
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.gated_deltanet import GatedDeltaNet
 from forklift.model.layers.rotary import apply_partial_rotary
-from forklift.model.llama import MLP, Attention, LayerRegions, LlamaForCausalLM, rms_norm
+from forklift.model.llama import (
+    MLP,
+    Attention,
+    LayerCache,
+    LayerRegions,
+    LlamaForCausalLM,
+    rms_norm,
+)
 from forklift.model.model_config import FULL_ATTENTION, ModelConfig
 
 if TYPE_CHECKING:
@@ -47,7 +54,7 @@ class HybridDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
         meta: AttentionMetadata,
         regions: LayerRegions,
     ) -> torch.Tensor:
@@ -66,7 +73,7 @@ class HybridDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         attn = self.self_attn

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,8 +23,9 @@ from forklift.server.serving import (
 from forklift.server.streams import collect_unless_disconnected, sse
 
 
-def prompt_list(ctx: ServerContext, prompt: Any) -> list[list[int]]:
-    """A string, list of strings, token ids or list of token-id lists -> token-id lists."""
+def prompt_list(ctx: ServerContext, prompt: Any) -> list[str | list[int]]:
+    """A string, list of strings, token ids or list of token-id lists -> one prompt each
+    (text stays text: the engine's input processor tokenizes it with the validation)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -34,7 +34,7 @@ def prompt_list(ctx: ServerContext, prompt: Any) -> list[list[int]]:
         return [list(prompt)]
     limit = ctx.limits.max_prompts_per_request
     at_most("prompt", len(prompt), limit, "max_prompts_per_request")
-    return [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
 async def create_completion(
@@ -44,8 +44,7 @@ async def create_completion(
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     params = make_params(ctx, body, body.max_tokens, body.logprobs)
-    # Tokenizing a long prompt list is real work: off the event loop, like the validation.
-    prompts = await asyncio.to_thread(prompt_list, ctx, body.prompt)
+    prompts = prompt_list(ctx, body.prompt)
     run = await launch(ctx, "cmpl", prompts, params, body.cache_salt)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")

@@ -60,19 +60,25 @@ class Launch:
 async def launch(
     ctx: ServerContext,
     prefix: str,
-    prompts: list[list[int]],
+    prompts: list[str | list[int]],
     params: SamplingParams,
     cache_salt: str | None = None,
 ) -> Launch:
-    """Validate every prompt first, then start them all; a bad one starts none.
+    """Tokenize and validate every prompt (text or token ids) first, then start them all; a
+    bad one starts none.
 
-    Validation reads every token id, so it runs in a worker thread; queueing stays on the
-    event loop, whose streams the engine thread feeds."""
+    Tokenizing and validation read every token, so they run in a worker thread; queueing
+    stays on the event loop, whose streams the engine thread feeds."""
     engine = ctx.async_engine
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
 
     def process_all() -> list[ProcessedPrompt]:
-        return [engine.process({"prompt_token_ids": p, **salt}, params) for p in prompts]
+        return [
+            engine.process(
+                {"prompt" if isinstance(p, str) else "prompt_token_ids": p, **salt}, params
+            )  # fmt: skip
+            for p in prompts
+        ]
 
     try:
         processed = await asyncio.to_thread(process_all)
