@@ -26,8 +26,7 @@ def tiny_dir(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
+def make_engine(tiny_dir) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(tiny_dir),
@@ -37,6 +36,11 @@ def engine(tiny_dir):
             max_num_seqs=4,
         )
     )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return make_engine(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,9 @@ def test_max_tokens_past_the_context_is_a_400_in_vllms_words(url):
     assert fits.status_code == 200, fits.text
 
 
-def test_offline_engine_still_stops_at_max_model_len(engine):
+def test_offline_engine_still_stops_at_max_model_len(tiny_dir):
+    # Its own engine: the module's one is stepped by the server's engine thread.
+    engine = make_engine(tiny_dir)
     rid = engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=10**9, ignore_eos=True))
     while engine.has_unfinished_requests():
         outputs = engine.step()
