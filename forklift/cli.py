@@ -12,7 +12,12 @@ from typing import Any
 
 from forklift.bench.cli import add_bench_parser
 from forklift.bench.kv_calc import add_kv_calc_parser
-from forklift.config import QUANTIZATION_METHODS, SERVE_DECODE_STEP_PREFILL_TOKENS, EngineConfig
+from forklift.config import (
+    QUANTIZATION_METHODS,
+    SERVE_DECODE_STEP_PREFILL_TOKENS,
+    SERVE_PREFILL_PACE_STEPS,
+    EngineConfig,
+)
 from forklift.rl.cli import add_rl_parser
 from forklift.sampling_params import SamplingParams
 
@@ -38,6 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most prompt tokens a step prefills while others decode (0: no bound; default: "
         "none offline, 256 for serve)",
+    )
+    group.add_argument(
+        "--prefill-pace-steps",
+        type=int,
+        default=None,
+        help="spread pending prompt tokens over about this many decoding steps (within "
+        "--decode-step-prefill-tokens), so steps cost alike (0: off; default: off offline, "
+        "16 for serve)",
     )
     group.add_argument(
         "--enable-prefix-caching",
@@ -72,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_prefill_tokens=args.decode_step_prefill_tokens,
+        prefill_pace_steps=args.prefill_pace_steps,
         enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -152,6 +166,8 @@ def serving_engine_config(args: argparse.Namespace) -> EngineConfig:
         config = dataclasses.replace(
             config, decode_step_prefill_tokens=SERVE_DECODE_STEP_PREFILL_TOKENS
         )
+    if config.prefill_pace_steps is None:
+        config = dataclasses.replace(config, prefill_pace_steps=SERVE_PREFILL_PACE_STEPS)
     return config
 
 

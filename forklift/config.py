@@ -16,6 +16,9 @@ QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 # `forklift serve`'s decode_step_prefill_tokens unless told otherwise; chosen with
 # `forklift bench serve` at the seed's serving shape (docs/serving.md).
 SERVE_DECODE_STEP_PREFILL_TOKENS = 256
+# ... and its prefill_pace_steps (benchmarks/serve.md: the same throughput as unpaced at
+# concurrency 8 and 16, with a third of the ITL p99).
+SERVE_PREFILL_PACE_STEPS = 16
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
 # configuration never loads it).
@@ -65,6 +68,11 @@ class EngineConfig:
     # throughput; `forklift serve` uses SERVE_DECODE_STEP_PREFILL_TOKENS unless told).
     # Steps without decodes prefill at the full budget.
     decode_step_prefill_tokens: int | None = None
+    # With a bound above: spread the pending prompt tokens over about this many decoding
+    # steps (each step prefills pending / steps, at least 16 tokens, at most the bound), so
+    # steps cost about the same. None or 0 = off: a step prefills up to the bound
+    # (`forklift serve` uses SERVE_PREFILL_PACE_STEPS unless told).
+    prefill_pace_steps: int | None = None
     # Reuse the KV blocks of earlier requests that share a token prefix.
     enable_prefix_caching: bool = True
     # Seed for requests that bring none of their own.
@@ -125,6 +133,15 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, optional=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        if self.prefill_pace_steps is not None and (
+            isinstance(self.prefill_pace_steps, bool)
+            or not isinstance(self.prefill_pace_steps, int)
+            or self.prefill_pace_steps < 0
+        ):
+            raise ValueError(
+                "prefill_pace_steps must be None or 0 (off) or a positive integer; got "
+                f"{self.prefill_pace_steps!r}"
+            )
         if self.decode_step_prefill_tokens is not None and (
             isinstance(self.decode_step_prefill_tokens, bool)
             or not isinstance(self.decode_step_prefill_tokens, int)
@@ -185,6 +202,10 @@ class EngineConfig:
     def resolve_decode_step_prefill_tokens(self) -> int | None:
         """The scheduler's bound (None: unbounded)."""
         return self.decode_step_prefill_tokens or None
+
+    def resolve_prefill_pace_steps(self) -> int | None:
+        """The scheduler's pace (None: off)."""
+        return self.prefill_pace_steps or None
 
     def resolve_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

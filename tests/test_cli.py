@@ -107,6 +107,28 @@ def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
         engine_config_from_args(parser.parse_args(["--decode-step-prefill-tokens", "-3"]))
 
 
+def test_prefill_pace_is_off_offline_and_on_for_serve():
+    import argparse
+
+    from forklift.cli import add_engine_args, engine_config_from_args, serving_engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    default = parser.parse_args([])
+    assert engine_config_from_args(default).resolve_prefill_pace_steps() is None
+    assert serving_engine_config(default).resolve_prefill_pace_steps() == 16
+    off = parser.parse_args(["--prefill-pace-steps", "0"])
+    assert serving_engine_config(off).resolve_prefill_pace_steps() is None
+    assert (
+        serving_engine_config(
+            parser.parse_args(["--prefill-pace-steps", "8"])
+        ).resolve_prefill_pace_steps()
+        == 8
+    )
+    with pytest.raises(ValueError, match="prefill_pace_steps"):
+        engine_config_from_args(parser.parse_args(["--prefill-pace-steps", "-1"]))
+
+
 def test_a_charting_benchmark_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
     from forklift.cli import main
 

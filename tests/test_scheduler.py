@@ -193,3 +193,29 @@ def test_prefill_is_bounded_only_while_streams_decode():
         [("a", 1), ("b", 4), ("c", 4)],
         [("a", 1), ("b", 1), ("c", 1)],
     ]
+
+
+def test_paced_prefill_spreads_the_backlog_and_grows_with_it():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(
+        kv, max_num_seqs=8, max_num_batched_tokens=512,
+        decode_step_prefill_tokens=64, prefill_pace_steps=4,
+    )  # fmt: skip
+    sched.add_request(make_request("a", 10, max_tokens=100))
+    run_step(sched)  # "a" is computed and decodes from now on
+    sched.add_request(make_request("b", 100))
+
+    def prefill_chunks() -> list[int]:
+        return [s.num_prompt_tokens for s in run_step(sched)[0].scheduled if s.num_prompt_tokens]
+
+    # 100 pending over 4 steps: 25, then a quarter of what is left, never under 16.
+    assert [prefill_chunks() for _ in range(5)] == [[25], [19], [16], [16], [16]]
+    # A backlog of two prompts doubles the step's share; the bound still caps it.
+    sched.add_request(make_request("c", 200))
+    sched.add_request(make_request("d", 200))
+    first = prefill_chunks()
+    assert sum(first) == 64
+    # Without a pace the bound alone decides.
+    sched.prefill_pace_steps = None
+    sched.add_request(make_request("e", 100))
+    assert sum(prefill_chunks()) == 64

@@ -8,7 +8,9 @@ are freed and it goes back to the front of the queue to be recomputed later.
 While any running request decodes, the step's prefill chunks together take at most
 `decode_step_prefill_tokens`: a new prompt is then prefilled over several steps instead of
 stalling every stream for one long step (time to first token traded for steady inter-token
-latency). A step with no decodes prefills at the full budget.
+latency). With `prefill_pace_steps` the share is the pending prompt tokens spread over that
+many steps (within the bound), so steps cost about the same. A step with no decodes
+prefills at the full budget.
 
 A hybrid model's linear layers also need a state slot per running sequence (`state_pool`),
 taken at admission and given back at finish or preemption. Its samples of one prompt fork the
@@ -18,12 +20,16 @@ boundary, and the step after it copies the state into each sample's slot.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.request import FinishReason, Request, RequestStatus
 from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from forklift.core.state_pool import StatePool
+
+# The smallest paced prefill budget: smaller chunks cost more per token than they smooth.
+MIN_PACED_PREFILL_TOKENS = 16
 
 
 class Scheduler:
@@ -34,10 +40,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         state_pool: StatePool | None = None,
         decode_step_prefill_tokens: int | None = None,
+        prefill_pace_steps: int | None = None,
     ) -> None:
         self.kv_manager = kv_manager
         # None: no bound beyond max_num_batched_tokens.
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
+        # None: every step that decodes may prefill up to the bound above.
+        self.prefill_pace_steps = prefill_pace_steps
         self.state_pool = state_pool
         self._pending_state_copies: list[tuple[int, int]] = []
         self.max_num_seqs = max_num_seqs
@@ -74,13 +83,32 @@ class Scheduler:
         decoding = bound is not None and any(
             r.num_tokens - r.num_computed_tokens == 1 for r in self.running
         )
-        self._prefill_budget = bound if decoding else None
+        self._prefill_budget = self._paced(bound) if decoding else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         if out.scheduled and self._pending_state_copies:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
         return out
+
+    def _paced(self, bound: int | None) -> int | None:
+        """The prefill budget of a step that decodes: the pending prompt tokens spread evenly
+        over `prefill_pace_steps` steps (at least MIN_PACED_PREFILL_TOKENS, at most `bound`),
+        so every step costs about the same instead of a few long ones. The budget grows with
+        the backlog, so prefill keeps up with arrivals."""
+        pace = self.prefill_pace_steps
+        if pace is None or bound is None:
+            return bound
+        limit = bound * pace  # past this the budget is `bound` anyway: stop counting
+        pending = 0
+        for request in itertools.chain(self.running, self.waiting):
+            if request.prefix_leader is not None:
+                continue  # a sample that will share its leader's prompt blocks
+            left = request.num_tokens - request.num_computed_tokens
+            pending += left if left > 1 else 0
+            if pending >= limit:
+                break
+        return min(bound, max(MIN_PACED_PREFILL_TOKENS, -(-pending // pace)))
 
     def _waits_for_a_slot(self, request: Request) -> bool:
         pool = self.state_pool

@@ -172,6 +172,7 @@ class LLMEngine:
             config.resolve_max_num_batched_tokens(),
             self.state_pool,
             config.resolve_decode_step_prefill_tokens(),
+            config.resolve_prefill_pace_steps(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)

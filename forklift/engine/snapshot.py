@@ -132,6 +132,7 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "max_num_seqs": engine.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
         "decode_step_prefill_tokens": engine.scheduler.decode_step_prefill_tokens,
+        "prefill_pace_steps": engine.scheduler.prefill_pace_steps,
         "max_model_len": engine.max_model_len,
         "prefix_caching": engine.kv_manager.enable_prefix_caching,
         "weight_version": engine.weight_version,
