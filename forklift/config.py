@@ -133,24 +133,8 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, optional=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
-        if self.prefill_pace_steps is not None and (
-            isinstance(self.prefill_pace_steps, bool)
-            or not isinstance(self.prefill_pace_steps, int)
-            or self.prefill_pace_steps < 0
-        ):
-            raise ValueError(
-                "prefill_pace_steps must be None or 0 (off) or a positive integer; got "
-                f"{self.prefill_pace_steps!r}"
-            )
-        if self.decode_step_prefill_tokens is not None and (
-            isinstance(self.decode_step_prefill_tokens, bool)
-            or not isinstance(self.decode_step_prefill_tokens, int)
-            or self.decode_step_prefill_tokens < 0
-        ):
-            raise ValueError(
-                "decode_step_prefill_tokens must be None or 0 (no bound) or a positive "
-                f"integer; got {self.decode_step_prefill_tokens!r}"
-            )
+        _off_or_positive("prefill_pace_steps", self.prefill_pace_steps, "off")
+        _off_or_positive("decode_step_prefill_tokens", self.decode_step_prefill_tokens, "no bound")
         _positive("num_threads", self.num_threads, optional=True)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         for limit in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars",
@@ -229,6 +213,14 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_fast_bf16() -> bool:
     """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
     return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def _off_or_positive(name: str, value: int | None, zero_means: str) -> None:
+    """None or 0 (which means `zero_means`) or a positive integer."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"{name} must be None or 0 ({zero_means}) or a positive integer; got {value!r}"
+        )
 
 
 def _positive(name: str, value: int | None, optional: bool = False) -> None:
