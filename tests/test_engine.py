@@ -281,6 +281,16 @@ def test_a_request_id_may_not_clash_with_another_requests_sample_ids(llm):
     assert finished == {"x", "y#0"}
 
 
+def test_an_engine_chosen_id_skips_one_whose_sample_ids_are_taken(llm):
+    engine = llm.llm_engine
+    upcoming = str(engine._next_id + 1)  # the id the engine would choose next
+    engine.add_request(f"{upcoming}#1", "w1 w2", SamplingParams(max_tokens=2))
+    chosen = engine.add_request(None, "w1 w2", SamplingParams(n=2, max_tokens=2))
+    assert chosen != upcoming
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_unknown_engine_argument_is_an_error(tiny_dir):
     with pytest.raises(ValueError, match="unknown engine argument.*max_num_sequences"):
         LLM(model=str(tiny_dir), max_num_sequences=4)

@@ -49,6 +49,11 @@ def sample_seed(request_seed: int, index: int) -> int:
     return (request_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62)
 
 
+def _sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n sequences: its own when n is 1, else "<id>#<index>"."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
 # Step records kept for inspection (tests, debugging); older ones are dropped.
 _STEP_LOG_SIZE = 4096
 
@@ -305,13 +310,13 @@ class LLMEngine:
         params, prompt_ids = processed.params, processed.prompt_token_ids
         cache_key = repr((self.weight_version, processed.cache_salt)).encode()
         if request_id is None:
-            request_id = self._fresh_id()
-        if request_id in self._parents:
+            request_id = self._fresh_id(params.n)
+        seq_ids = _sequence_ids(request_id, params.n)
+        taken = self._taken(request_id, seq_ids)
+        if taken == request_id:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        clash = next((seq_id for seq_id in seq_ids if seq_id in self._sequences), None)
-        if clash is not None:  # e.g. "x#0" beside another request "x" with n > 1
-            raise ValueError(f"request_id {request_id!r} is already in use (as {clash!r})")
+        if taken is not None:  # e.g. "x#0" beside another request "x" with n > 1
+            raise ValueError(f"request_id {request_id!r} is already in use (as {taken!r})")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         parent = ParentRequest(request_id, processed.prompt, prompt_ids, metrics)
         room = self.max_model_len - len(prompt_ids)
@@ -355,11 +360,17 @@ class LLMEngine:
         if self.sleep_level:
             raise ValueError("the engine is asleep: call wake_up() before generating")
 
-    def _fresh_id(self) -> str:
+    def _taken(self, request_id: str, seq_ids: list[str]) -> str | None:
+        """The id already in use (the request's own, or one of its sequences'), or None."""
+        if request_id in self._parents:
+            return request_id
+        return next((seq_id for seq_id in seq_ids if seq_id in self._sequences), None)
+
+    def _fresh_id(self, n: int) -> str:
         while True:
             self._next_id += 1
             candidate = str(self._next_id)
-            if candidate not in self._parents:
+            if self._taken(candidate, _sequence_ids(candidate, n)) is None:
                 return candidate
 
     def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:

@@ -320,7 +320,7 @@ class ModelRunner:
         inputs = self.prepare_inputs(
             scheduled, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
         )
-        sampled_items = [i for i, item in enumerate(scheduled) if item.sampling is not None]
+        sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
         logits = self.forward_step(inputs, key)
         if logits is None:
             return StepResult([], None)
