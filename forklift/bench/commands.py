@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,18 @@ def _given(args: argparse.Namespace, *names: str) -> list[str]:
         if value is not None:
             parts += [f"--{name.replace('_', '-')}", str(value)]
     return parts
+
+
+def _publish(
+    report: dict[str, Any],
+    command: list[str],
+    out_dir: str,
+    write_report: Callable[[dict[str, Any], Path], list[Path]],
+    render_markdown: Callable[[dict[str, Any]], str],
+) -> None:
+    """Record the command line that reproduces the run, write the report files, show it."""
+    report["command"] = shlex.join(command)
+    announce(write_report(report, Path(out_dir)), render_markdown(report))
 
 
 def _set(args: argparse.Namespace, *names: str) -> dict[str, Any]:
@@ -206,8 +219,7 @@ def prefix_command(args: argparse.Namespace) -> int:
     report = run_prefix_bench(settings)
     command = _command("prefix", args.quick) + _given(args, "model")
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -231,8 +243,7 @@ def grpo_command(args: argparse.Namespace) -> int:
     command += _given(args, "model", "steps", "prompts_per_step", "group_size", "max_tokens",
                       "temperature", "learning_rate", "kl_coef", "seed", "hf_steps")  # fmt: skip
     command += ["--task", args.task] if args.task != "arithmetic" else []
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -272,8 +283,7 @@ def decode_command(args: argparse.Namespace) -> int:
     command += _given(args, "model", "forms", "batch_sizes", "context")
     # The binary's path is this machine's; the report names the program only.
     command += ["--llama-bench", "llama-bench"] if args.llama_bench else []
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -304,8 +314,7 @@ def profile_command(args: argparse.Namespace) -> int:
     command += ["--quantization", args.quantization] if args.quantization != "auto" else []
     command += _given(args, "model")
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -329,8 +338,7 @@ def scale_command(args: argparse.Namespace) -> int:
     report = run_scale_bench(settings)
     command = _command("scale") + ["--concurrency", args.concurrency]
     command += ["--output-tokens", str(args.output_tokens)] + _given(args, "model")
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -345,8 +353,8 @@ def startup_command(args: argparse.Namespace) -> int:
     from forklift.bench.startup import render_markdown, run_startup_bench, write_report
 
     report = run_startup_bench(args.model)
-    report["command"] = shlex.join(_command("startup") + _given(args, "model"))
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    command = _command("startup") + _given(args, "model")
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -371,8 +379,7 @@ def soak_command(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"model": args.model, **_set(args, *_SOAK_OPTIONS)}
     report = run_soak((SoakSettings.quick if args.quick else SoakSettings)(**overrides))
     command = _command("soak", args.quick) + _given(args, "model", *_SOAK_OPTIONS)
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0 if report["errors"] == 0 and report["final_kv_usage"] == 0 else 1
 
 
@@ -404,8 +411,7 @@ def hybrid_command(args: argparse.Namespace) -> int:
     settings = (HybridSettings.quick if args.quick else HybridSettings)(**overrides)
     report = run_hybrid_bench(settings)
     command = _command("hybrid", args.quick) + _given(args, "dtypes", "contexts", "batch_sizes")
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
 
 
@@ -432,6 +438,5 @@ def structured_command(args: argparse.Namespace) -> int:
     settings = (StructuredSettings.quick if args.quick else StructuredSettings)(**overrides)
     report = run_structured_bench(settings)
     command = _command("structured", args.quick) + _given(args, "model", "batch_sizes")
-    report["command"] = shlex.join(command)
-    announce(write_report(report, Path(args.out_dir)), render_markdown(report))
+    _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
