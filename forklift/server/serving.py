@@ -73,12 +73,11 @@ async def launch(
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
 
     def process_all() -> list[ProcessedPrompt]:
-        return [
-            engine.process(
-                {"prompt" if isinstance(p, str) else "prompt_token_ids": p, **salt}, params
-            )  # fmt: skip
-            for p in prompts
-        ]
+        processed = []
+        for p in prompts:
+            key = "prompt" if isinstance(p, str) else "prompt_token_ids"
+            processed.append(engine.process({key: p, **salt}, params))
+        return processed
 
     try:
         processed = await asyncio.to_thread(process_all)
