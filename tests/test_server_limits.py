@@ -166,3 +166,22 @@ def test_a_dead_engine_answers_503_naming_the_error(tmp_path, monkeypatch):
         assert response.status_code == 503
         assert "rank 1 exited with code -9" in response.json()["error"]["message"]
     assert app.state.ctx.async_engine.failure() is not None
+
+
+def test_text_prompts_to_a_model_without_a_tokenizer_are_400s(tmp_path):
+    make_tiny_model("llama", tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory_bytes=2**20)
+    )
+    with running_server(build_app(engine, "tiny")) as url:
+        text = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
+        )
+        assert text.status_code == 400
+        assert "no tokenizer" in text.json()["error"]["message"]
+        ids = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2}
+        )
+        assert ids.status_code == 200
+        assert ids.json()["usage"]["completion_tokens"] == 2
