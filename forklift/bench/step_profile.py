@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from forklift.bench.decode import decode_step_budget, prefill_steps
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
+from forklift.model.layers.native_decode_attention import PROFILER_NAME as NATIVE_ATTENTION
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,10 +31,11 @@ CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispat
 _MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
            "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
            "aten::_weight_int8pack_mm"}  # fmt: skip
-# In an eager step the only compiled code is the in-place decode attention kernel.
+# In an eager step the only compiled code is the in-place decode attention kernel (where
+# the native one is missing).
 _COMPILED_GRAPH = "CompiledFxGraph"
 _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
-_ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index"}
+_ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index", NATIVE_ATTENTION}
 _SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
              "aten::sort", "aten::gather", "aten::softmax", "aten::_softmax"}  # fmt: skip
 

@@ -13,6 +13,7 @@ from forklift.core.scheduler_output import ScheduledChunk
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
+from forklift.model.layers.native_decode_attention import NativeDecodeAttention
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
@@ -159,7 +160,8 @@ class ModelRunner:
             self.shard,
         )  # fmt: skip
         model.set_tensor_parallel_group(self.tp)
-        model.use_decode_attention(DecodeAttention(self.device))
+        native = NativeDecodeAttention.load() if self.device.type == "cpu" else None
+        model.use_decode_attention(DecodeAttention(self.device, native))
         self.quantization_report = quantize_model(model, self.quantization)
         return model
 
@@ -204,6 +206,8 @@ class ModelRunner:
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
         key_cache, value_cache = self.layer_caches[layer]
+        if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
+            return  # the native kernel serves every decode step: nothing to compile
         seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
         # As in a step: index tensors built outside inference mode, queries inside it (dynamo
         # guards on the difference).

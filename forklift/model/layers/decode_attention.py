@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from forklift.model.layers.native_decode_attention import NativeDecodeAttention
+
 logger = logging.getLogger("forklift")
 
 DecodeKernel = Callable[
@@ -101,10 +103,11 @@ IN_PLACE_MIN_SEQS = 2
 
 
 class DecodeAttention:
-    """The decode kernel of one model: in place (compiled) on a CPU for several sequences,
-    gathered elsewhere."""
+    """The decode kernel of one model. On a CPU: the native C kernel where it builds (every
+    batch size), else in place (compiled) for several sequences; gathered elsewhere."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, native: NativeDecodeAttention | None = None) -> None:
+        self.native = native
         self.in_place = device.type == "cpu"
         self._kernel = _compiled_in_place()  # a wrapper: nothing compiles until it is called
         # Built once: a fresh config patch per call costs more than the kernel.
@@ -119,6 +122,9 @@ class DecodeAttention:
         bias: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        native = self.native
+        if native is not None and native.supports(q, key_cache):
+            return native(q, key_cache, value_cache, kv_blocks, bias, scale)
         if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS:
             return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)
         try:

@@ -1,0 +1,184 @@
+/* Decode attention (one query per sequence) straight from the paged KV cache.
+ *
+ * One task per (sequence, KV head): the task's G = H / Hkv query heads share every key and
+ * value row it loads, each row is widened to fp32 once, scores and sums stay in fp32, and
+ * masked positions (bias -inf: padding, outside a sliding window) are never loaded. Tasks
+ * run on OpenMP threads; the library is linked against the OpenMP runtime torch already
+ * loaded, so both share one thread pool.
+ *
+ * Shapes (row-major, contiguous): q [S, H, D]; key/value cache [Hkv, NB, BS, D];
+ * blocks [S, nb] int64 block ids; bias [S, nb * BS] float32; out [S, H, D].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)bits << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(v.u >> 16);
+}
+
+/* exp(x) for x <= 0 as plain arithmetic the compiler vectorises (libm's expf is a call per
+ * element): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error about 2e-7. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.98756912e-4f;
+    p = p * r + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666657e-1f;
+    p = p * r + 5.0e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#define LOAD_ROW(dst, src, d_count, is_bf16)                                  \
+    do {                                                                      \
+        if (is_bf16) {                                                        \
+            const uint16_t *row_ = (const uint16_t *)(src);                   \
+            _Pragma("omp simd") for (int64_t d_ = 0; d_ < (d_count); d_++)    \
+                (dst)[d_] = bf16_to_float(row_[d_]);                          \
+        } else {                                                              \
+            memcpy((dst), (src), (size_t)(d_count) * sizeof(float));          \
+        }                                                                     \
+    } while (0)
+
+static inline __attribute__((always_inline)) int attend_one(const void *q, const void *key_cache, const void *value_cache,
+                      const int64_t *blocks, const float *bias, void *out, int64_t seq,
+                      int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
+                      int is_bf16) {
+    const int64_t group = heads / kv_heads;
+    const int64_t width = table_width * block_size;
+    const size_t elem = is_bf16 ? 2 : 4;
+    float *buffer = malloc(sizeof(float) * (size_t)(group * width + 2 * group * head_dim + head_dim));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)width);
+    if (buffer == NULL || slots == NULL) {
+        free(buffer);
+        free(slots);
+        return 1;
+    }
+    float *scores = buffer;                       /* [G, width] */
+    float *queries = scores + group * width;      /* [G, D] */
+    float *acc = queries + group * head_dim;      /* [G, D] */
+    float *row = acc + group * head_dim;          /* [D] */
+    const float *seq_bias = bias + seq * width;
+    const int64_t *table = blocks + seq * table_width;
+    /* Each position's cache slot, computed block by block (a division per position costs
+     * more than the position's arithmetic). */
+    for (int64_t i = 0; i < table_width; i++)
+        for (int64_t j = 0; j < block_size; j++) slots[i * block_size + j] = table[i] * block_size + j;
+    const char *q_base = (const char *)q + (size_t)((seq * heads + kv_head * group) * head_dim) * elem;
+
+    for (int64_t g = 0; g < group; g++)
+        LOAD_ROW(queries + g * head_dim, q_base + (size_t)(g * head_dim) * elem, head_dim, is_bf16);
+
+    const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
+    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * elem;
+    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * elem;
+
+    float max_score[group];
+    for (int64_t g = 0; g < group; g++) max_score[g] = -INFINITY;
+    for (int64_t t = 0; t < width; t++) {
+        const float b = seq_bias[t];
+        if (b == -INFINITY) {
+            for (int64_t g = 0; g < group; g++) scores[g * width + t] = -INFINITY;
+            continue;
+        }
+        const int64_t slot = slots[t];
+        LOAD_ROW(row, k_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = queries + g * head_dim;
+            float dot = 0.0f;
+            _Pragma("omp simd reduction(+:dot)") for (int64_t d = 0; d < head_dim; d++)
+                dot += qg[d] * row[d];
+            const float s = dot * scale + b;
+            scores[g * width + t] = s;
+            if (s > max_score[g]) max_score[g] = s;
+        }
+    }
+
+    float total[group];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * width;
+        const float m = max_score[g];
+        float sum = 0.0f;
+        _Pragma("omp simd reduction(+:sum)") for (int64_t t = 0; t < width; t++) {
+            const float p = sg[t] == -INFINITY ? 0.0f : exp_nonpositive(sg[t] - m);
+            sg[t] = p;
+            sum += p;
+        }
+        total[g] = sum;
+    }
+
+    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int64_t t = 0; t < width; t++) {
+        if (seq_bias[t] == -INFINITY) continue;
+        const int64_t slot = slots[t];
+        LOAD_ROW(row, v_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * width + t];
+            float *ag = acc + g * head_dim;
+            _Pragma("omp simd") for (int64_t d = 0; d < head_dim; d++) ag[d] += p * row[d];
+        }
+    }
+
+    char *out_base = (char *)out + (size_t)((seq * heads + kv_head * group) * head_dim) * elem;
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+        const float *ag = acc + g * head_dim;
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out_base + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(ag[d] * inv);
+        } else {
+            float *dst = (float *)out_base + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = ag[d] * inv;
+        }
+    }
+    free(buffer);
+    free(slots);
+    return 0;
+}
+
+/* Returns 0 on success, 1 when a task's scratch buffer could not be allocated. */
+int forklift_decode_attention(const void *q, const void *key_cache, const void *value_cache,
+                              const int64_t *blocks, const float *bias, void *out,
+                              int64_t seqs, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                              int64_t block_size, int64_t head_dim, int64_t table_width,
+                              float scale, int is_bf16, int num_threads) {
+    int failed = 0;
+    const int64_t tasks = seqs * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t seq = task / kv_heads, kv_head = task % kv_heads;
+        /* Common head sizes get their own copy with the size a constant: fully unrolled
+         * row loops, accumulators in registers. */
+        if (head_dim == 64 && is_bf16)
+            failed |= attend_one(q, key_cache, value_cache, blocks, bias, out, seq, kv_head,
+                                 heads, kv_heads, num_blocks, block_size, 64, table_width,
+                                 scale, 1);
+        else if (head_dim == 128 && is_bf16)
+            failed |= attend_one(q, key_cache, value_cache, blocks, bias, out, seq, kv_head,
+                                 heads, kv_heads, num_blocks, block_size, 128, table_width,
+                                 scale, 1);
+        else
+            failed |= attend_one(q, key_cache, value_cache, blocks, bias, out, seq, kv_head,
+                                 heads, kv_heads, num_blocks, block_size, head_dim,
+                                 table_width, scale, is_bf16);
+    }
+    return failed;
+}

@@ -1,0 +1,108 @@
+"""Build and load this package's small C kernels (layers/native/*.c) with the system's C
+compiler, once per machine.
+
+A kernel is compiled for the CPU it runs on (`-march=native`) and linked against the
+OpenMP runtime torch has already loaded, so its threads are torch's. The shared library is
+kept in a cache directory under a name that hashes the source, the flags, the compiler and
+the CPU, so an edited kernel, another compiler or another CPU model builds afresh. Where no
+compiler works the loader returns None and callers keep their PyTorch kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("forklift")
+
+NATIVE_SOURCE_DIR = Path(__file__).parent / "native"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# FORKLIFT_NATIVE_KERNELS=0 keeps every layer on its PyTorch kernels.
+DISABLE_ENV = "FORKLIFT_NATIVE_KERNELS"
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "forklift" / "native"
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def library_path(name: str, compiler: str) -> Path:
+    source = (NATIVE_SOURCE_DIR / f"{name}.c").read_bytes()
+    digest = hashlib.sha256()
+    for part in (source, " ".join(COMPILE_FLAGS).encode(), _compiler_version(compiler).encode(),
+                 _cpu_identity().encode(), platform.machine().encode()):  # fmt: skip
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def build_library(name: str, compiler: str, target: Path) -> None:
+    """Compile layers/native/<name>.c into `target`; the file appears whole or not at all
+    (several processes of one server may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        command = [compiler, *COMPILE_FLAGS, "-o", partial, str(NATIVE_SOURCE_DIR / f"{name}.c")]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip() or f"{compiler} exited {done.returncode}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def load_native_library(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library `name`, building it on first use; None (logged once per
+    call) where native kernels are off, no compiler is found or the build fails."""
+    if not native_kernels_enabled():
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        logger.info("no C compiler found: native %s kernel off", name)
+        return None
+    try:
+        target = library_path(name, compiler)
+        if not target.exists():
+            build_library(name, compiler, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("could not build the native %s kernel (%s); using PyTorch's", name, exc)
+        return None

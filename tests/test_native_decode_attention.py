@@ -1,0 +1,134 @@
+"""The native C decode kernel: it matches a per-sequence reference (both dtypes, the head
+sizes it specialises and others, grouped queries, a non-prefix mask), it is built once and
+cached per machine, and every way of not having it leaves PyTorch's kernels in charge."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forklift.model.layers import native_build
+from forklift.model.layers.decode_attention import DecodeAttention
+from forklift.model.layers.native_decode_attention import NativeDecodeAttention
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeDecodeAttention:
+    kernel = NativeDecodeAttention.load()
+    if kernel is None:
+        pytest.skip("no working C compiler on this machine")
+    return kernel
+
+
+def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 4, 128
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    lengths = torch.randint(1, 8 * block_size, (seqs,), generator=gen)
+    width = -(-int(lengths.max()) // block_size) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width) + 1
+    used = torch.arange(width)[None, :] < (-(-lengths // block_size))[:, None]
+    blocks = torch.where(used, order, 0)
+    pos = torch.arange(width * block_size)[None, :]
+    valid = pos < lengths[:, None]
+    if window is not None:
+        valid &= pos > lengths[:, None] - 1 - window
+    bias = torch.where(valid, 0.0, float("-inf"))
+    q = torch.randn(seqs, kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, key_cache, value_cache, blocks, bias, valid
+
+
+def _reference(q, key_cache, value_cache, blocks, valid, scale):
+    outs = []
+    kv_heads, _, _, head_dim = key_cache.shape
+    for s in range(q.shape[0]):
+        k = key_cache[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]].float()
+        v = value_cache[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]].float()
+        out = F.scaled_dot_product_attention(
+            q[s].float()[:, None], k, v, scale=scale, enable_gqa=True
+        )
+        outs.append(out.reshape(-1))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "seqs, kv_heads, group, head_dim",
+    [(1, 3, 3, 64), (8, 3, 3, 64), (3, 2, 2, 128), (5, 1, 4, 16), (2, 4, 1, 48)],
+)
+def test_native_kernel_matches_the_reference(native, dtype, seqs, kv_heads, group, head_dim):
+    q, key_cache, value_cache, blocks, bias, valid = _case(
+        dtype, seqs, kv_heads, group, head_dim, seed=seqs * 31 + head_dim
+    )
+    scale = head_dim**-0.5
+    got = native(q, key_cache, value_cache, blocks, bias, scale)
+    want = _reference(q, key_cache, value_cache, blocks, valid, scale)
+    assert got.dtype == dtype and got.shape == (seqs, kv_heads * group * head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_native_kernel_skips_masked_positions_anywhere(native):
+    """A sliding window masks the start of the context, not only its padded end."""
+    q, key_cache, value_cache, blocks, bias, valid = _case(torch.float32, 4, 2, 2, 64, 5, 6)
+    assert (~valid[:, 0]).any(), "the case should mask some leading positions"
+    got = native(q, key_cache, value_cache, blocks, bias, 0.125)
+    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_runs_the_native_kernel_when_given_one(native, monkeypatch):
+    q, key_cache, value_cache, blocks, bias, valid = _case(torch.bfloat16, 3, 2, 2, 64, 9)
+    kernel = DecodeAttention(torch.device("cpu"), native)
+    calls = []
+    monkeypatch.setattr(kernel, "_kernel", lambda *a: calls.append("compiled"))
+    with torch.inference_mode():
+        out = kernel(q, key_cache, value_cache, blocks, bias, 0.125)
+    assert not calls, "the compiled kernel ran although the native one applies"
+    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    # A dtype the native kernel lacks goes to PyTorch's kernels.
+    assert not native.supports(q.half(), key_cache.half())
+
+
+def test_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler")
+    builds = []
+    real_build = native_build.build_library
+    monkeypatch.setattr(
+        native_build, "build_library", lambda *a: (builds.append(a), real_build(*a))
+    )
+    assert native_build.load_native_library("decode_attention") is not None
+    assert native_build.load_native_library("decode_attention") is not None
+    assert len(builds) == 1
+    (built,) = (tmp_path / "forklift" / "native").glob("decode_attention-*.so")
+    assert not list(built.parent.glob("*.partial")), "a partial build was left behind"
+
+
+def test_no_compiler_or_switched_off_means_no_native_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    assert NativeDecodeAttention.load() is None
+    monkeypatch.delenv(native_build.DISABLE_ENV)
+    monkeypatch.setattr(native_build, "find_compiler", lambda: None)
+    assert NativeDecodeAttention.load() is None
+    assert not (tmp_path / "forklift").exists()
+
+
+def test_a_failing_build_warns_and_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\necho 'fake-cc: cannot compile' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(native_build, "find_compiler", lambda: str(fake))
+    with caplog.at_level(logging.WARNING, logger="forklift"):
+        assert NativeDecodeAttention.load() is None
+    assert "cannot compile" in caplog.text
+    assert not list((tmp_path / "forklift" / "native").glob("*"))
