@@ -92,13 +92,15 @@ def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
     import argparse
 
     from forklift.cli import add_engine_args, engine_config_from_args, serving_engine_config
+    from forklift.config import SERVE_DECODE_STEP_PREFILL_TOKENS
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     default = parser.parse_args([])
     assert engine_config_from_args(default).enable_prefix_caching is True
     assert engine_config_from_args(default).decode_step_prefill_tokens is None  # offline
-    assert serving_engine_config(default).decode_step_prefill_tokens == 256
+    assert SERVE_DECODE_STEP_PREFILL_TOKENS == 48
+    assert serving_engine_config(default).decode_step_prefill_tokens == 48
     off = parser.parse_args(["--no-enable-prefix-caching", "--decode-step-prefill-tokens", "0"])
     assert engine_config_from_args(off).enable_prefix_caching is False
     assert serving_engine_config(off).decode_step_prefill_tokens == 0

@@ -5,6 +5,7 @@ cached per machine, and every way of not having it leaves PyTorch's kernels in c
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -132,3 +133,23 @@ def test_a_failing_build_warns_and_falls_back(tmp_path, monkeypatch, caplog):
         assert NativeDecodeAttention.load() is None
     assert "cannot compile" in caplog.text
     assert not list((tmp_path / "forklift" / "native").glob("*"))
+
+
+def test_the_engine_decodes_through_the_native_kernel(native, default_llm_fp32):
+    runner = default_llm_fp32.llm_engine.runner
+    layer = runner.model.config.attention_layers[0]
+    kernel = runner.model.layers[layer].decode_attention
+    assert isinstance(kernel, DecodeAttention) and kernel.native is not None
+    key_cache, _ = runner.layer_caches[layer]
+    assert kernel.native.supports(key_cache, key_cache)
+
+
+def test_the_decode_benchmark_can_build_an_engine_without_it(native, monkeypatch):
+    from forklift.bench.decode import WEIGHT_FORMS, native_kernels_enabled
+
+    monkeypatch.delenv(native_build.DISABLE_ENV, raising=False)
+    assert not WEIGHT_FORMS["int4-torch-attention"].native_kernels
+    with native_kernels_enabled(False):
+        assert NativeDecodeAttention.load() is None
+    assert native_build.DISABLE_ENV not in os.environ
+    assert NativeDecodeAttention.load() is not None

@@ -10,12 +10,15 @@ every sequence's KV cache once, so its floor is those bytes over the read bandwi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,7 @@ import torch
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
+from forklift.model.layers.native_build import DISABLE_ENV
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
 from forklift.model.model_config import ModelConfig
 from forklift.runner.memory import kv_bytes_per_token, state_bytes_per_sequence
@@ -42,6 +46,8 @@ class WeightForm:
     dtype: str
     quantization: str
     enforce_eager: bool = True
+    # False: decode attention on PyTorch's kernels instead of the native C one (side by side).
+    native_kernels: bool = True
 
 
 WEIGHT_FORMS = {
@@ -50,6 +56,9 @@ WEIGHT_FORMS = {
     "int8": WeightForm("int8", "bfloat16", "int8"),
     "int4": WeightForm("int4", "bfloat16", "auto"),  # a Q4 GGUF at its own precision
     "int4-captured": WeightForm("int4-captured", "bfloat16", "auto", enforce_eager=False),
+    "int4-torch-attention": WeightForm(
+        "int4-torch-attention", "bfloat16", "auto", native_kernels=False
+    ),
 }
 
 
@@ -150,6 +159,37 @@ class DecodePoint:
     fraction_of_bandwidth: float
 
 
+def _build_llm(settings: DecodeSettings, form: WeightForm, longest: int, budget: int) -> LLM:
+    return LLM(
+        model=settings.model,
+        dtype=form.dtype,
+        quantization=form.quantization,
+        max_model_len=settings.context
+        + settings.timed_steps
+        + 8
+        + prefill_steps(longest, settings.context, budget),
+        max_num_seqs=longest,
+        max_num_batched_tokens=budget,
+        enforce_eager=form.enforce_eager,
+        decode_capture_sizes=settings.batch_sizes,
+    )
+
+
+@contextlib.contextmanager
+def native_kernels_enabled(enabled: bool) -> Iterator[None]:
+    """Build an engine with or without the native kernels (read when its model is built)."""
+    previous = os.environ.get(DISABLE_ENV)
+    if not enabled:
+        os.environ[DISABLE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DISABLE_ENV, None)
+        else:
+            os.environ[DISABLE_ENV] = previous
+
+
 def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> list[float]:
     return time_pure_decode(llm, batch, settings.context, settings.timed_steps, random.Random(seed))
 
@@ -208,19 +248,8 @@ def _measure_form(
 ) -> tuple[list[DecodePoint], LLM]:
     longest = max(settings.batch_sizes)
     budget = decode_step_budget(longest)
-    llm = LLM(
-        model=settings.model,
-        dtype=form.dtype,
-        quantization=form.quantization,
-        max_model_len=settings.context
-        + settings.timed_steps
-        + 8
-        + prefill_steps(longest, settings.context, budget),
-        max_num_seqs=longest,
-        max_num_batched_tokens=budget,
-        enforce_eager=form.enforce_eager,
-        decode_capture_sizes=settings.batch_sizes,
-    )
+    with native_kernels_enabled(form.native_kernels):
+        llm = _build_llm(settings, form, longest, budget)
     _time_decode(llm, 1, settings, seed=0)  # warm-up
     points = []
     for batch in settings.batch_sizes:

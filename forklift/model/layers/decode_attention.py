@@ -7,7 +7,9 @@ Two implementations of the same arithmetic:
   reductions, which torch.compile on a CPU lowers to C++ loops that load K and V straight
   from the cache through the block table: no copy of the context.
 
-`DecodeAttention` picks the in-place kernel on a CPU for steps of several sequences and the
+On a CPU `DecodeAttention` runs the native C kernel (layers/native_decode_attention.py)
+where it builds; these two are its fallback and every other device's kernel. Without the
+native kernel it picks the in-place kernel on a CPU for steps of several sequences and the
 gathered one for a single sequence, where the compiled call's overhead outweighs the copy
 (measured in `forklift bench decode`, int4 weights at 564 tokens of context on a 2-core
 AVX512-BF16 CPU: a whole step takes 20.3 ms in place vs 18.7 ms gathered at one sequence,

@@ -46,6 +46,15 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* Rows are fetched this many positions ahead: blocks lie anywhere in the cache, so the
+ * hardware prefetcher loses the stream at every block boundary. */
+#define PREFETCH_AHEAD 8
+
+static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes) {
+    const char *start = head + (size_t)slot * row_bytes;
+    for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
 #define LOAD_ROW(dst, src, d_count, is_bf16)                                  \
     do {                                                                      \
         if (is_bf16) {                                                        \
@@ -87,6 +96,7 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
     for (int64_t g = 0; g < group; g++)
         LOAD_ROW(queries + g * head_dim, q_base + (size_t)(g * head_dim) * elem, head_dim, is_bf16);
 
+    const size_t row_bytes = (size_t)head_dim * elem;
     const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
     const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * elem;
     const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * elem;
@@ -100,6 +110,7 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
             continue;
         }
         const int64_t slot = slots[t];
+        if (t + PREFETCH_AHEAD < width) prefetch_row(k_head, slots[t + PREFETCH_AHEAD], row_bytes);
         LOAD_ROW(row, k_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = queries + g * head_dim;
@@ -129,6 +140,7 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
     for (int64_t t = 0; t < width; t++) {
         if (seq_bias[t] == -INFINITY) continue;
         const int64_t slot = slots[t];
+        if (t + PREFETCH_AHEAD < width) prefetch_row(v_head, slots[t + PREFETCH_AHEAD], row_bytes);
         LOAD_ROW(row, v_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * width + t];
