@@ -60,7 +60,15 @@ def _reference(q, key_cache, value_cache, blocks, valid, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "seqs, kv_heads, group, head_dim",
-    [(1, 3, 3, 64), (8, 3, 3, 64), (3, 2, 2, 128), (5, 1, 4, 16), (2, 4, 1, 48)],
+    [
+        (1, 3, 3, 64),
+        (8, 3, 3, 64),
+        (2, 1, 5, 64),  # query heads past one register pass (4 at 64)
+        (3, 2, 2, 128),
+        (2, 1, 3, 128),  # ... and at 128 (2 a pass)
+        (5, 1, 4, 16),
+        (2, 4, 1, 48),
+    ],
 )
 def test_native_kernel_matches_the_reference(native, dtype, seqs, kv_heads, group, head_dim):
     q, key_cache, value_cache, blocks, bias, valid = _case(

@@ -55,6 +55,68 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+/* Sixteen floats as one vector (GCC and clang vector extensions; the compiler splits it
+ * into two halves on AVX2). */
+typedef float float16_vector __attribute__((vector_size(64)));
+typedef int32_t int16_vector __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (int16_vector){__VA_ARGS__})
+#endif
+
+/* The dot product of two rows of n floats. Sixteen running sums end in a four-step shuffle
+ * tree: the compiler's own reduction of a vectorised loop ends in a chain of scalar adds,
+ * which was the kernel's critical path. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    if (n % 16 != 0) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+        return sum;
+    }
+    float16_vector acc = {0};
+    for (int64_t i = 0; i < n; i += 16) {
+        float16_vector x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    acc += SHUFFLE(acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += SHUFFLE(acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    acc += SHUFFLE(acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    acc += SHUFFLE(acc, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return acc[0];
+}
+
+/* acc[h] += sum_t p[h, t] * V[t] for query heads h in [first, first + pass) of the task
+ * (heads past `group` get zero weights), with the pass's sums held in registers: head_dim
+ * and pass are constants at each call site once inlined. */
+static inline __attribute__((always_inline)) void accumulate_values_bf16(
+    float *acc, const float *scores, const char *v_head, const int64_t *slots,
+    const float *seq_bias, int64_t width, int64_t first, int64_t group, int64_t head_dim,
+    int64_t pass) {
+    float16_vector sums[4][8] = {{{0}}};
+    const int64_t chunks = head_dim / 16;
+    for (int64_t t = 0; t < width; t++) {
+        if (seq_bias[t] == -INFINITY) continue;
+        if (t + PREFETCH_AHEAD < width)
+            prefetch_row(v_head, slots[t + PREFETCH_AHEAD], (size_t)head_dim * 2);
+        const uint16_t *row = (const uint16_t *)v_head + slots[t] * head_dim;
+        float16_vector v[8];
+        for (int64_t c = 0; c < chunks; c++) {
+            float lanes[16];
+            for (int i = 0; i < 16; i++) lanes[i] = bf16_to_float(row[c * 16 + i]);
+            memcpy(&v[c], lanes, sizeof lanes);
+        }
+        for (int64_t h = 0; h < pass; h++) {
+            const float p = first + h < group ? scores[(first + h) * width + t] : 0.0f;
+            for (int64_t c = 0; c < chunks; c++) sums[h][c] += p * v[c];
+        }
+    }
+    for (int64_t h = 0; h < pass && first + h < group; h++)
+        memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
+}
+
 #define LOAD_ROW(dst, src, d_count, is_bf16)                                  \
     do {                                                                      \
         if (is_bf16) {                                                        \
@@ -66,7 +128,8 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
         }                                                                     \
     } while (0)
 
-static inline __attribute__((always_inline)) int attend_one(const void *q, const void *key_cache, const void *value_cache,
+static inline __attribute__((always_inline)) int attend_one(
+                      const void *q, const void *key_cache, const void *value_cache,
                       const int64_t *blocks, const float *bias, void *out, int64_t seq,
                       int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t num_blocks,
                       int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
@@ -74,7 +137,8 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
     const int64_t group = heads / kv_heads;
     const int64_t width = table_width * block_size;
     const size_t elem = is_bf16 ? 2 : 4;
-    float *buffer = malloc(sizeof(float) * (size_t)(group * width + 2 * group * head_dim + head_dim));
+    const size_t floats = (size_t)(group * width + 2 * group * head_dim + head_dim);
+    float *buffer = malloc(sizeof(float) * floats);
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)width);
     if (buffer == NULL || slots == NULL) {
         free(buffer);
@@ -90,8 +154,10 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
     /* Each position's cache slot, computed block by block (a division per position costs
      * more than the position's arithmetic). */
     for (int64_t i = 0; i < table_width; i++)
-        for (int64_t j = 0; j < block_size; j++) slots[i * block_size + j] = table[i] * block_size + j;
-    const char *q_base = (const char *)q + (size_t)((seq * heads + kv_head * group) * head_dim) * elem;
+        for (int64_t j = 0; j < block_size; j++)
+            slots[i * block_size + j] = table[i] * block_size + j;
+    const size_t first_row = (size_t)((seq * heads + kv_head * group) * head_dim);
+    const char *q_base = (const char *)q + first_row * elem;
 
     for (int64_t g = 0; g < group; g++)
         LOAD_ROW(queries + g * head_dim, q_base + (size_t)(g * head_dim) * elem, head_dim, is_bf16);
@@ -114,10 +180,7 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
         LOAD_ROW(row, k_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = queries + g * head_dim;
-            float dot = 0.0f;
-            _Pragma("omp simd reduction(+:dot)") for (int64_t d = 0; d < head_dim; d++)
-                dot += qg[d] * row[d];
-            const float s = dot * scale + b;
+            const float s = dot(qg, row, head_dim) * scale + b;
             scores[g * width + t] = s;
             if (s > max_score[g]) max_score[g] = s;
         }
@@ -137,15 +200,23 @@ static inline __attribute__((always_inline)) int attend_one(const void *q, const
     }
 
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-    for (int64_t t = 0; t < width; t++) {
-        if (seq_bias[t] == -INFINITY) continue;
-        const int64_t slot = slots[t];
-        if (t + PREFETCH_AHEAD < width) prefetch_row(v_head, slots[t + PREFETCH_AHEAD], row_bytes);
-        LOAD_ROW(row, v_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * width + t];
-            float *ag = acc + g * head_dim;
-            _Pragma("omp simd") for (int64_t d = 0; d < head_dim; d++) ag[d] += p * row[d];
+    if (is_bf16 && (head_dim == 64 || head_dim == 128)) {
+        const int64_t heads_per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
+        for (int64_t g = 0; g < group; g += heads_per_pass)
+            accumulate_values_bf16(acc, scores, v_head, slots, seq_bias, width, g, group,
+                                   head_dim, heads_per_pass);
+    } else {
+        for (int64_t t = 0; t < width; t++) {
+            if (seq_bias[t] == -INFINITY) continue;
+            const int64_t slot = slots[t];
+            if (t + PREFETCH_AHEAD < width)
+                prefetch_row(v_head, slots[t + PREFETCH_AHEAD], row_bytes);
+            LOAD_ROW(row, v_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * width + t];
+                float *ag = acc + g * head_dim;
+                _Pragma("omp simd") for (int64_t d = 0; d < head_dim; d++) ag[d] += p * row[d];
+            }
         }
     }
 
