@@ -18,9 +18,10 @@ from forklift.model.layers.native_decode_attention import NativeDecodeAttention
 
 @pytest.fixture(scope="module")
 def native() -> NativeDecodeAttention:
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
     kernel = NativeDecodeAttention.load()
-    if kernel is None:
-        pytest.skip("no working C compiler on this machine")
+    assert kernel is not None, "a C compiler is here, yet the kernel did not build or load"
     return kernel
 
 
