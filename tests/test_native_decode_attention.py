@@ -162,3 +162,9 @@ def test_the_decode_benchmark_can_build_an_engine_without_it(native, monkeypatch
         assert NativeDecodeAttention.load() is None
     assert native_build.DISABLE_ENV not in os.environ
     assert NativeDecodeAttention.load() is not None
+
+
+def test_a_value_cache_unlike_the_key_cache_is_refused(native):
+    q, key_cache, value_cache, blocks, bias, _ = _case(torch.float32, 2, 2, 2, 64, 4)
+    with pytest.raises(ValueError, match="value cache"):
+        native(q, key_cache, value_cache.bfloat16(), blocks, bias, 0.125)

@@ -54,9 +54,12 @@ class NativeDecodeAttention:
     ) -> torch.Tensor:
         seqs, heads, head_dim = q.shape
         kv_heads, num_blocks, block_size, _ = key_cache.shape
+        if value_cache.dtype != key_cache.dtype or not value_cache.is_contiguous():
+            raise ValueError("the value cache must match the key cache: dtype and layout")
+        # The C side reads int64 block ids, float32 biases and packed rows (no-ops as built).
         q = q.contiguous()
-        kv_blocks = kv_blocks.contiguous()
-        bias = bias.contiguous()
+        kv_blocks = kv_blocks.to(torch.int64).contiguous()
+        bias = bias.to(torch.float32).contiguous()
         out = q.new_empty(seqs, heads * head_dim)
         if torch.autograd.profiler._is_profiler_enabled:
             # torch.profiler sees no operator in a C call: name one (only while profiling).
