@@ -13,18 +13,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import random
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forklift.bench.environment import environment_variable
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
@@ -175,19 +174,9 @@ def _build_llm(settings: DecodeSettings, form: WeightForm, longest: int, budget:
     )
 
 
-@contextlib.contextmanager
-def native_kernels_enabled(enabled: bool) -> Iterator[None]:
+def native_kernels_enabled(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Build an engine with or without the native kernels (read when its model is built)."""
-    previous = os.environ.get(DISABLE_ENV)
-    if not enabled:
-        os.environ[DISABLE_ENV] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(DISABLE_ENV, None)
-        else:
-            os.environ[DISABLE_ENV] = previous
+    return contextlib.nullcontext() if enabled else environment_variable(DISABLE_ENV, "0")
 
 
 def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> list[float]:

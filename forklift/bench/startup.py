@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from forklift.bench.environment import environment_variable
 from forklift.bench.report import write_report_files
 from forklift.bench.server_process import forklift_server
 
@@ -31,21 +31,8 @@ class StartupPoint:
     first_completion_s: float
 
 
-@contextmanager
-def _environment(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _one_start(extra_args: list[str], cache_dir: str) -> tuple[float, float]:
-    with _environment("TORCHINDUCTOR_CACHE_DIR", cache_dir):
+    with environment_variable("TORCHINDUCTOR_CACHE_DIR", cache_dir):
         start = time.perf_counter()
         with forklift_server(extra_args) as url:
             ready = time.perf_counter() - start

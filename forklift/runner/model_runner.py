@@ -206,6 +206,7 @@ class ModelRunner:
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
         key_cache, value_cache = self.layer_caches[layer]
+        # Queries come in the cache's dtype, so the cache stands in for them here.
         if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
             return  # the native kernel serves every decode step: nothing to compile
         seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS

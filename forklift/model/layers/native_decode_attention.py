@@ -9,6 +9,7 @@ and masked positions skipped. Same arguments and result as `DecodeKernel`.
 from __future__ import annotations
 
 import ctypes
+from contextlib import nullcontext
 
 import torch
 
@@ -61,29 +62,15 @@ class NativeDecodeAttention:
         kv_blocks = kv_blocks.to(torch.int64).contiguous()
         bias = bias.to(torch.float32).contiguous()
         out = q.new_empty(seqs, heads * head_dim)
-        if torch.autograd.profiler._is_profiler_enabled:
-            # torch.profiler sees no operator in a C call: name one (only while profiling).
-            with torch.profiler.record_function(PROFILER_NAME):
-                return self._run(q, key_cache, value_cache, kv_blocks, bias, out, scale)
-        return self._run(q, key_cache, value_cache, kv_blocks, bias, out, scale)
-
-    def _run(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        kv_blocks: torch.Tensor,
-        bias: torch.Tensor,
-        out: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        seqs, heads, head_dim = q.shape
-        kv_heads, num_blocks, block_size, _ = key_cache.shape
-        failed = self._function(
-            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), kv_blocks.data_ptr(),
-            bias.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, num_blocks, block_size,
-            head_dim, kv_blocks.shape[1], scale, _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
-        )  # fmt: skip
+        # torch.profiler sees no operator in a C call: name one (only while profiling).
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
+            failed = self._function(
+                q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                kv_blocks.data_ptr(), bias.data_ptr(), out.data_ptr(), seqs, heads, kv_heads,
+                num_blocks, block_size, head_dim, kv_blocks.shape[1], scale,
+                _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
+            )  # fmt: skip
         if failed:
             raise MemoryError("decode attention could not allocate its scratch buffers")
         return out
