@@ -88,7 +88,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc[0];
 }
 
-/* acc[h] += sum_t p[h, t] * V[t] for query heads h in [first, first + pass) of the task
+/* acc[h] = sum_t p[h, t] * V[t] for query heads h in [first, first + pass) of the task
  * (heads past `group` get zero weights), with the pass's sums held in registers: head_dim
  * and pass are constants at each call site once inlined. */
 static inline __attribute__((always_inline)) void accumulate_values_bf16(
@@ -199,13 +199,14 @@ static inline __attribute__((always_inline)) int attend_one(
         total[g] = sum;
     }
 
-    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     if (is_bf16 && (head_dim == 64 || head_dim == 128)) {
+        /* Each pass writes its heads' sums whole: acc needs no clearing. */
         const int64_t heads_per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
         for (int64_t g = 0; g < group; g += heads_per_pass)
             accumulate_values_bf16(acc, scores, v_head, slots, seq_bias, width, g, group,
                                    head_dim, heads_per_pass);
     } else {
+        memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
         for (int64_t t = 0; t < width; t++) {
             if (seq_bias[t] == -INFINITY) continue;
             const int64_t slot = slots[t];
