@@ -60,6 +60,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="exact number of KV-cache blocks (overrides the memory budgets)",
+    )
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--max-n", type=int, default=128, help="most samples (n) per request")
@@ -89,6 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,

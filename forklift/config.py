@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from forklift.cpu import cpu_has_fast_bf16
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +64,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # Exact KV-cache size in bytes; overrides gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    # Exact number of KV-cache blocks (vLLM's name; the null block included); overrides both
+    # budgets above. Unlike a size in bytes it means the same tokens in any dtype.
+    num_gpu_blocks_override: int | None = None
     # Most prompt tokens a step may prefill while running requests decode (all its prefill
     # chunks together): a new prompt then joins over several steps instead of stalling every
     # stream for one long step. None or 0 = no bound beyond max_num_batched_tokens (offline
@@ -134,6 +138,7 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, optional=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        _positive("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
         _off_or_positive("prefill_pace_steps", self.prefill_pace_steps, "off")
         _off_or_positive("decode_step_prefill_tokens", self.decode_step_prefill_tokens, "no bound")
         _positive("num_threads", self.num_threads, optional=True)
@@ -196,24 +201,6 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return max(2048, self.max_num_seqs)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX-BF16 or AVX512-BF16 make bf16 matmuls several times faster than fp32."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def _off_or_positive(name: str, value: int | None, zero_means: str) -> None:

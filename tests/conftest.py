@@ -1,8 +1,22 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from forklift.checkpoint.source import ModelSource, resolve_model
+from forklift.cpu import simulated_cpu_kind, torch_environment
+
+# FORKLIFT_CPU_KIND=avx2 runs the suite as on an AVX2-only CPU: torch's kernels are capped
+# too, before any test runs one (the servers tests start inherit the caps).
+if simulated_cpu_kind():
+    for _name, _value in torch_environment(simulated_cpu_kind()).items():
+        os.environ.setdefault(_name, _value)
+
+
+def pytest_report_header() -> str:
+    kind = simulated_cpu_kind()
+    return f"forklift CPU kind: {'simulated ' + kind if kind else 'native'}"
 
 
 @pytest.fixture(scope="session")

@@ -328,6 +328,23 @@ def test_refuses_to_start_when_one_request_cannot_fit(tiny_dir):
         make_llm(tiny_dir, kv_cache_memory_bytes=20 * BLOCK_BYTES)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_count_means_the_same_cache_in_any_dtype(tiny_dir, dtype):
+    """num_gpu_blocks_override (vLLM's name) fixes the blocks, not the bytes, so a budget
+    sized for one dtype does not halve in another; it wins over a byte budget too."""
+    llm = make_llm(tiny_dir, dtype=dtype, num_gpu_blocks_override=40,
+                   kv_cache_memory_bytes=4 * BLOCK_BYTES)  # fmt: skip
+    plan = llm.llm_engine.kv_plan
+    assert plan.num_blocks == 40 and plan.token_capacity == 39 * 4
+    assert plan.budget_bytes == 40 * plan.bytes_per_block
+    assert plan.source == "num_gpu_blocks_override=40"
+    assert llm.llm_engine.kv_manager.pool.num_blocks == 40
+    with pytest.raises(ValueError, match="max_model_len=128 needs 32 blocks"):
+        make_llm(tiny_dir, dtype=dtype, num_gpu_blocks_override=20)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        make_llm(tiny_dir, num_gpu_blocks_override=0)
+
+
 def test_kv_budget_from_memory_fraction(tiny_dir, caplog):
     caplog.set_level("INFO", logger="forklift")
     llm = make_llm(tiny_dir, kv_cache_memory_bytes=None, gpu_memory_utilization=0.01)

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "plain data",
         (
             "forklift.version",
+            "forklift.cpu",
             "forklift.config",
             "forklift.sampling_params",
             "forklift.outputs",

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from forklift.cpu import CPU_KIND_ENV
 from forklift.model.layers import native_build
 from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.model.layers.native_decode_attention import NativeDecodeAttention
@@ -120,6 +124,27 @@ def test_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch)
     assert len(builds) == 1
     (built,) = (tmp_path / "forklift" / "native").glob("decode_attention-*.so")
     assert not list(built.parent.glob("*.partial")), "a partial build was left behind"
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the build")
+def test_the_avx2_kind_builds_its_own_library_without_avx512_registers(tmp_path, monkeypatch):
+    """FORKLIFT_CPU_KIND=avx2 compiles for x86-64-v3: a library of its own in the cache, whose
+    code touches no zmm (AVX-512) register, so it runs on an AVX2-only CPU."""
+    if native_build.find_compiler() is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(CPU_KIND_ENV, "avx2")
+    assert native_build.load_native_library("decode_attention") is not None
+    monkeypatch.setenv(CPU_KIND_ENV, "native")
+    assert native_build.load_native_library("decode_attention") is not None
+    built = {}
+    for kind in ("avx2", "native"):
+        monkeypatch.setenv(CPU_KIND_ENV, kind)
+        built[kind] = native_build.library_path("decode_attention", native_build.find_compiler())
+    assert built["avx2"] != built["native"] and all(p.exists() for p in built.values())
+    code = subprocess.run(["objdump", "-d", str(built["avx2"])], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    assert "ymm" in code and "zmm" not in code
 
 
 def test_no_compiler_or_switched_off_means_no_native_kernel(tmp_path, monkeypatch):

@@ -14,8 +14,9 @@ from forklift import LLM, SamplingParams
 from forklift.checkpoint.gguf_file import open_gguf
 from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
+from forklift.cpu import CPU_KIND_ENV
 from forklift.model.gguf_loader import iter_gguf_int4_groups, iter_gguf_weights
-from forklift.model.layers.linear import Linear
+from forklift.model.layers.linear import Linear, can_pack
 from forklift.model.layers.quantized import (
     QUANTIZED_MAX_ROWS,
     PackedInt4,
@@ -136,14 +137,27 @@ def _quantized_linears(llm: LLM) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
 
 
+def _assert_served_quantized(llm: LLM, form: type, layers: int = 2) -> None:
+    """Every layer's qkv, o, gate_up and down in `form`. The untied bf16 head (of the same
+    block type in these files) stays dense where oneDNN packs bf16 for the CPU's bf16 units
+    (faster there) and is served from its blocks elsewhere: the engine's own check
+    (`can_pack`, which quantize.py follows) decides which to expect."""
+    model = llm.llm_engine.runner.model
+    body = [m for m in _quantized_linears(llm) if m is not model.lm_head]
+    assert len(body) == 4 * layers and all(isinstance(m.quantized, form) for m in body)
+    head = model.lm_head.quantized
+    if can_pack(torch.zeros(1, dtype=torch.bfloat16)):
+        assert head is None
+    else:
+        assert isinstance(head, form)
+
+
 def test_gguf_auto_serves_q4_blocks_and_logs_them(tmp_path, caplog):
     _, path = _tiny_gguf(tmp_path, "Q4_1")
     with caplog.at_level(logging.INFO, logger="forklift"):
         llm = _llm(path, dtype="bfloat16")
     assert llm.llm_engine.quantization == "gguf"
-    linears = _quantized_linears(llm)
-    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
-    assert all(isinstance(m.quantized, PackedInt4) for m in linears)
+    _assert_served_quantized(llm, PackedInt4)
     assert "int4 from gguf blocks" in caplog.text
     dense = _llm(path, dtype="float32")
     assert dense.llm_engine.quantization == "none" and not _quantized_linears(dense)
@@ -204,7 +218,7 @@ def test_quantized_engine_survives_sleep_and_wake(tmp_path):
     llm.sleep(level=2)
     assert not _quantized_linears(llm)
     llm.wake_up()
-    assert len(_quantized_linears(llm)) == 8
+    _assert_served_quantized(llm, PackedInt4)
     assert _greedy(llm, prompts, 8)[0].outputs[0].token_ids == first
 
 
@@ -289,8 +303,7 @@ def test_int4_perplexity_within_two_percent_of_dense(default_source):
 def test_gguf_q8_0_linears_serve_as_int8(tmp_path):
     _, path = _tiny_gguf(tmp_path, "Q8_0")
     llm = _llm(path, dtype="bfloat16")
-    linears = _quantized_linears(llm)
-    assert len(linears) == 8 and all(isinstance(m.quantized, PackedInt8) for m in linears)
+    _assert_served_quantized(llm, PackedInt8)
 
 
 @pytest.mark.parametrize(
@@ -324,7 +337,8 @@ def test_tensor_parallel_serves_quantized_weights(tmp_path):
     prompts = [[5, 9, 13, 2], [40, 41, 3]]
     single = _greedy(_llm(path, dtype="bfloat16"), prompts, 12)
     tp = _llm(path, dtype="bfloat16", tensor_parallel_size=2)
-    assert tp.llm_engine.quantization == "gguf" and len(_quantized_linears(tp)) == 8
+    assert tp.llm_engine.quantization == "gguf"
+    _assert_served_quantized(tp, PackedInt4)
     for a, b in zip(single, _greedy(tp, prompts, 12), strict=True):
         assert _close(a.outputs[0], b.outputs[0])
 
@@ -358,11 +372,7 @@ def test_a_cpu_without_bf16_units_runs_fp32_with_int4_layers_and_an_int8_head(
     """The AVX2-only path, simulated: dtype auto is float32, layers run int4 (activations
     cast to bf16 for the kernel), the tied head reads int8 rows, and greedy decoding tracks
     the dense fp32 model."""
-    import forklift.config as config_module
-    import forklift.model.layers.linear as linear_module
-
-    monkeypatch.setattr(config_module, "cpu_has_fast_bf16", lambda: False)
-    monkeypatch.setattr(linear_module, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setenv(CPU_KIND_ENV, "avx2")
     common = dict(model=str(default_source.path), max_model_len=128,
                   kv_cache_memory_bytes=16 * 2**20)  # fmt: skip
     quantized = LLM(**common)

@@ -14,7 +14,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from forklift.config import cpu_flags as all_cpu_flags
+from forklift.cpu import cpu_flags as all_cpu_flags
+from forklift.cpu import simulated_cpu_kind
+
+# Marks a report measured under FORKLIFT_CPU_KIND (forklift/cpu.py).
+SIMULATED_FLAG_PREFIX = "simulated:"
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -76,5 +80,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> l
 
 
 def cpu_flags() -> list[str]:
-    """The CPU's matrix-relevant instruction-set flags (benchmarks record them)."""
-    return sorted(f for f in all_cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    """The CPU's matrix-relevant instruction-set flags (benchmarks record them), as the
+    engine sees them; a simulated kind adds a last entry `simulated:KIND`."""
+    flags = sorted(f for f in all_cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    kind = simulated_cpu_kind()
+    return [*flags, f"{SIMULATED_FLAG_PREFIX}{kind}"] if kind else flags

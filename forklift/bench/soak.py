@@ -8,7 +8,8 @@ the load runs, the server's resident memory and KV usage are sampled. Afterwards
 must be idle with no KV block in use, every completed request must have exactly the tokens
 it asked for, and nothing may have failed.
 
-The server gets a KV cache of its own size (`kv_cache_memory_bytes`, 256 MiB by default):
+The server gets a KV cache of its own size (`kv_cache_blocks`, 768 blocks of 16 tokens by
+default, whatever the model's dtype):
 its blocks are `torch.empty` pages touched on first use, and the free list hands out the
 least recently used block, so a cache sized from RAM (gigabytes) would keep adding resident
 memory until every block had been used once, which looks like a leak and is not one. With a
@@ -45,7 +46,8 @@ class SoakSettings:
     disconnect_share: float = 0.2
     max_tokens: tuple[int, ...] = (2, 4, 8)
     sample_every_s: float = 5.0
-    kv_cache_memory_bytes: int = 256 * 2**20
+    # Enough for a request of the default model's whole context (512 blocks) in any dtype.
+    kv_cache_blocks: int = 768
 
     @classmethod
     def quick(cls, **overrides: Any) -> SoakSettings:
@@ -270,7 +272,7 @@ def rss_growth_after_warmup(samples: list[dict[str, Any]], warmup_share: float =
 
 def run_soak(settings: SoakSettings) -> dict[str, Any]:
     args = ["--served-model-name", "soak"]
-    args += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
+    args += ["--num-gpu-blocks-override", str(settings.kv_cache_blocks)]
     args += ["--model", settings.model] if settings.model else []
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     with forklift_server_process(args) as (base_url, pid):
@@ -296,7 +298,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"streaming and not, n 1 or 2, with and without logprobs, max_tokens "
         f"{', '.join(map(str, s['max_tokens']))} (`ignore_eos`); "
         f"{100 * s['disconnect_share']:.0f}% of the streams closed by the client after their "
-        f"first chunk. The server's KV cache: {s['kv_cache_memory_bytes'] / 2**20:.0f} MiB. "
+        f"first chunk. The server's KV cache: {s['kv_cache_blocks']} blocks. "
         f"CPU flags: "
         f"{' '.join(report['cpu_flags']) or 'n/a'}.",
         "",

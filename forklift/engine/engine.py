@@ -157,6 +157,7 @@ class LLMEngine:
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
             max_num_seqs=config.max_num_seqs,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            num_blocks_override=config.num_gpu_blocks_override,
             memory_utilization=config.resolve_memory_utilization(self.device),
         )
         self._check_kv_fits()

@@ -117,11 +117,21 @@ def plan_kv_cache(
     weight_bytes: int,
     activation_peak_bytes: int,
     max_num_seqs: int = 1,
+    num_blocks_override: int | None = None,
 ) -> KVCachePlan:
     """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
-    layers (fewer slots then cap how many sequences run at once)."""
+    layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
+    fixes the block count instead (and gives a hybrid model a slot per sequence)."""
     bytes_per_block = kv_bytes_per_token(model_config, dtype) * block_size
+    per_slot = state_bytes_per_sequence(model_config, dtype)
+    if num_blocks_override is not None:
+        slots = max_num_seqs if per_slot else 0
+        budget = num_blocks_override * bytes_per_block + ((slots + 1) * per_slot if slots else 0)
+        source = f"num_gpu_blocks_override={num_blocks_override}"
+        return KVCachePlan(
+            num_blocks_override, block_size, bytes_per_block, budget, source, slots, per_slot
+        )
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
@@ -132,7 +142,6 @@ def plan_kv_cache(
             f"{weight_bytes / 2**30:.2f} GiB - activation peak "
             f"{activation_peak_bytes / 2**30:.2f} GiB"
         )
-    per_slot = state_bytes_per_sequence(model_config, dtype)
     slots = 0
     if per_slot:
         slots = max(min(max_num_seqs, (budget // 2) // per_slot - 1), 0)

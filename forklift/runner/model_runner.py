@@ -129,9 +129,10 @@ class ModelRunner:
         max_num_seqs: int,
         kv_cache_memory_bytes: int | None,
         memory_utilization: float,
+        num_blocks_override: int | None = None,
     ) -> KVCachePlan:
         peak = 0
-        if kv_cache_memory_bytes is None:
+        if kv_cache_memory_bytes is None and num_blocks_override is None:
             peak = measure_peak_bytes(
                 lambda: self._profile_forward(max_num_batched_tokens, max_num_seqs), self.device
             )
@@ -140,6 +141,7 @@ class ModelRunner:
             dtype=self.dtype,
             block_size=self.block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_blocks_override=num_blocks_override,
             memory_utilization=memory_utilization,
             total_memory=self._memory_share(),
             weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),

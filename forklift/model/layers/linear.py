@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forklift.config import cpu_has_fast_bf16
+from forklift.cpu import cpu_has_fast_bf16
 from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, QuantizedWeight, quantized_linear
 
 

@@ -20,10 +20,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from forklift.cpu import native_arch_flags
+
 logger = logging.getLogger("forklift")
 
 NATIVE_SOURCE_DIR = Path(__file__).parent / "native"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 # FORKLIFT_NATIVE_KERNELS=0 keeps every layer on its PyTorch kernels.
 DISABLE_ENV = "FORKLIFT_NATIVE_KERNELS"
 
@@ -62,10 +64,15 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout
 
 
+def compile_flags() -> tuple[str, ...]:
+    """The fixed flags plus the target: this CPU, or the kind FORKLIFT_CPU_KIND simulates."""
+    return (*COMPILE_FLAGS, *native_arch_flags())
+
+
 def library_path(name: str, compiler: str) -> Path:
     source = (NATIVE_SOURCE_DIR / f"{name}.c").read_bytes()
     digest = hashlib.sha256()
-    for part in (source, " ".join(COMPILE_FLAGS).encode(), _compiler_version(compiler).encode(),
+    for part in (source, " ".join(compile_flags()).encode(), _compiler_version(compiler).encode(),
                  _cpu_identity().encode(), platform.machine().encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
@@ -79,7 +86,7 @@ def build_library(name: str, compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        command = [compiler, *COMPILE_FLAGS, "-o", partial, str(NATIVE_SOURCE_DIR / f"{name}.c")]
+        command = [compiler, *compile_flags(), "-o", partial, str(NATIVE_SOURCE_DIR / f"{name}.c")]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip() or f"{compiler} exited {done.returncode}")
