@@ -56,9 +56,15 @@ class ServeSettings:
 
     @classmethod
     def quick(cls, **overrides: Any) -> ServeSettings:
-        return cls(**{"input_tokens": 128, "output_tokens": 16, "concurrencies": (1, 4),
-                      "min_requests": 4, "requests_per_concurrency": 1,
-                      "warmup_requests": 1, **overrides})  # fmt: skip
+        settings = cls(**{"input_tokens": 128, "output_tokens": 16, "concurrencies": (1, 4),
+                          "min_requests": 4, "requests_per_concurrency": 1,
+                          "warmup_requests": 1, **overrides})  # fmt: skip
+        if not settings.server_args:
+            # A started server needs no more context than these requests: its start-up then
+            # profiles a 512-token step, not a 2048-token one (seconds on two cores).
+            length = max(512, settings.input_tokens + settings.output_tokens)
+            settings.server_args = ["--max-model-len", str(length)]
+        return settings
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_concurrency * concurrency)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -35,12 +36,22 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ValueError(f"GGUF path {path} is not a file")
     _check_magic(path)
+    stat = path.stat()
     try:
-        reader = _PlainArrayReader(path)
+        reader = _parse(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     except Exception as exc:  # the reader fails with assorted numpy/enum/key errors
         raise ValueError(f"GGUF file {path} is truncated or corrupt: {exc}") from exc
     _check_tensor_extents(path, reader)
     return reader
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    """Parsing a 49k-token vocabulary takes 1-2 s, so engines of one process (a test run,
+    an engine rebuilt at sleep or in a benchmark) share a file's read-only parse; a file
+    rewritten in place has another size or time and is parsed afresh."""
+    del size, mtime_ns  # only the cache key
+    return _PlainArrayReader(path)
 
 
 def _check_magic(path: Path) -> None:

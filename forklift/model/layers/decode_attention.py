@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -111,9 +112,16 @@ class DecodeAttention:
     def __init__(self, device: torch.device, native: NativeDecodeAttention | None = None) -> None:
         self.native = native
         self.in_place = device.type == "cpu"
-        self._kernel = _compiled_in_place()  # a wrapper: nothing compiles until it is called
-        # Built once: a fresh config patch per call costs more than the kernel.
-        self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
+        # Where the native kernel serves, dynamo is never imported (about 2 s at start-up).
+        self._kernel: DecodeKernel | None = None
+        self._no_duck_sizing: Any = None
+
+    def _in_place_kernel(self) -> tuple[DecodeKernel, Any]:
+        if self._kernel is None:
+            self._kernel = _compiled_in_place()  # a wrapper: nothing compiles until called
+            # Built once: a fresh config patch per call costs more than the kernel.
+            self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
+        return self._kernel, self._no_duck_sizing
 
     def __call__(
         self,
@@ -130,10 +138,11 @@ class DecodeAttention:
         if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS:
             return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)
         try:
+            kernel, no_duck_sizing = self._in_place_kernel()
             # Without duck sizing, sizes that happen to be equal in one call (batch size and
             # KV heads, say) are not assumed equal forever, which would recompile later.
-            with self._no_duck_sizing:
-                return self._kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
+            with no_duck_sizing:
+                return kernel(q, key_cache, value_cache, kv_blocks, bias, scale)
         except Exception as exc:  # compiling can fail in many ways; the math cannot
             logger.warning(
                 "in-place decode attention failed to compile (%s); gathering blocks instead",
