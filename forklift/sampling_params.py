@@ -46,10 +46,23 @@ class SamplingParams:
     logprobs_mode: str = "processed"
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the logits before any
+    # other processing (so `processed` logprobs include it); -100 bans in practice.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only these token ids.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to complete. Each is tokenized (alone and after a space); a word's
+    # last token is banned whenever the output ends with the rest of it.
+    bad_words: list[str] | None = None
+    # The bad words as token sequences, filled in by the input processor (it has the
+    # tokenizer); not a request field.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
@@ -134,11 +147,49 @@ class SamplingParams:
             "must be a list of non-negative token ids",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        self._validate_token_choices()
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs",
             "must be a StructuredOutputsParams",
+        )
+
+    def _validate_token_choices(self) -> None:
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict), "logit_bias",
+               "must be a dict of token id -> bias")  # fmt: skip
+        for token, value in (bias or {}).items():
+            _check(
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                "logit_bias",
+                f"keys must be token ids (non-negative integers), got {token!r}",
+            )
+            _check(
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and -100 <= value <= 100,
+                "logit_bias",
+                f"values must be numbers in [-100, 100], got {value!r} for token {token}",
+            )
+        allowed = self.allowed_token_ids
+        _check(
+            allowed is None or (isinstance(allowed, list) and len(allowed) > 0),
+            "allowed_token_ids",
+            "must be a non-empty list of token ids",
+        )
+        _check(
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed or []),
+            "allowed_token_ids",
+            "must hold non-negative token ids",
+        )
+        words = self.bad_words
+        _check(
+            words is None
+            or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+            "bad_words",
+            "must be a list of non-empty strings",
         )
 
     @property

@@ -209,7 +209,8 @@ def test_disconnects_abort_requests_and_free_blocks(server):
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "hi " * 600}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": QUESTION}, 404, "model"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages"),
@@ -228,6 +229,37 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(
     assert error["message"]
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_logit_bias_and_token_choices_reach_the_sampler(client, server):
+    def text_of(ids: list[int]) -> str:
+        return httpx.post(server[0] + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    base = dict(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    forced = client.chat.completions.create(**base, logit_bias={"42": 100})
+    assert forced.choices[0].message.content == text_of([42] * 4)
+    banned = client.chat.completions.create(**base, logit_bias={"42": -100, "43": -100})
+    plain = client.chat.completions.create(**base)
+    assert banned.choices[0].message.content == plain.choices[0].message.content  # not its top
+    only = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=3, temperature=1.0,
+        extra_body={"allowed_token_ids": [43]},
+    )  # fmt: skip
+    assert only.choices[0].text == text_of([43] * 3)
+    for bad in ({"logit_bias": {"not-a-token": 1}}, {"logit_bias": {"5": 500}},
+                {"allowed_token_ids": []}, {"bad_words": [""]}):  # fmt: skip
+        response = httpx.post(server[0] + "/v1/chat/completions", json={**base, **bad})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == next(iter(bad))
+
+
+def test_an_unknown_model_is_model_not_found(client):
+    """As OpenAI and vLLM answer: 404, code model_not_found (the openai client's
+    NotFoundError)."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4", messages=QUESTION, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+    assert caught.value.body["param"] == "model"
 
 
 def test_invalid_json_is_a_400(server):

@@ -67,6 +67,20 @@ class InputProcessor:
         check_sampling_limits(params, self.config, self.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # cached for the engine
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as the model writes it at the start of the output and after a space."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a model with a tokenizer")
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt -> (its text if it has one, its ids). A dict with both keys is taken as

@@ -39,12 +39,19 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig, vocab_si
         "max_stop_token_ids",
         "entries",
     )
-    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise LimitError(
-            f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})",
-            "stop_token_ids",
-        )
+    for field, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", list(params.logit_bias or ())),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise LimitError(
+                f"SamplingParams.{field} holds {bad}, outside the vocabulary [0, {vocab_size})",
+                field,
+            )
+    _at_most("bad_words", len(params.bad_words or ()), config.max_stop_strings,
+             "max_stop_strings", "entries")  # fmt: skip
 
 
 def check_context_length(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from forklift.core.scheduler_output import SamplingRow
 from forklift.structured.grammar import bitmask_width, fill_bitmasks
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,6 +36,9 @@ class SamplingBatch:
     # [len(rows), ceil(vocab / 32)] int32 (bit t of a row = token t may be sampled).
     grammar_rows: torch.Tensor | None = None
     token_bitmask: torch.Tensor | None = None
+    # Per row: logit_bias (token id -> bias) and allowed_token_ids, None where not asked.
+    logit_bias: list[dict[int, float] | None] | None = None
+    allowed_token_ids: list[list[int] | None] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -94,7 +100,14 @@ class SamplingBatch:
             ),
             grammar_rows=grammar_rows,
             token_bitmask=token_bitmask,
+            logit_bias=_per_row([p.logit_bias for p in params]),
+            allowed_token_ids=_per_row([p.allowed_token_ids for p in params]),
         )
+
+
+def _per_row(values: list[T | None]) -> list[T | None] | None:
+    """The rows' settings, or None where no row has one (the sampler then skips the step)."""
+    return values if any(v is not None for v in values) else None
 
 
 def _grammar_bitmask(
@@ -112,10 +125,16 @@ def _grammar_bitmask(
 
 
 def _banned_tokens(row: SamplingRow) -> list[int]:
+    """min_tokens holding back the stops, and the bad words the output is about to finish."""
     params = row.params
-    if row.num_output_tokens >= params.min_tokens:
-        return []
-    banned = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned |= row.eos_token_ids
+    banned: set[int] = set()
+    if row.num_output_tokens < params.min_tokens:
+        banned |= set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= row.eos_token_ids
+    output = row.output_token_ids
+    for word in params.bad_words_token_ids or ():
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and list(output[len(output) - head :]) == word[:-1]):
+            banned.add(word[-1])
     return sorted(banned)

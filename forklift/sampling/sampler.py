@@ -33,6 +33,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [N, vocab] float32."""
     num_logprobs = batch.max_num_logprobs
     raw = logits
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
+    if batch.allowed_token_ids is not None:
+        logits = _keep_only(logits, batch.allowed_token_ids)
     if batch.token_bitmask is not None:
         allowed = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
         logits = _ban_tokens(allowed, batch.banned_token_ids)
@@ -60,6 +64,27 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             processed = torch.where(batch.raw_logprobs[:, None], raw, processed)
         _attach_logprobs(out, torch.log_softmax(processed, dim=-1), token_ids, num_logprobs)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's bias to its tokens' logits (OpenAI's logit_bias)."""
+    rows = [i for i, bias in enumerate(biases) for _ in bias or ()]
+    cols = [t for bias in biases for t in bias or ()]
+    values = [v for bias in biases for v in (bias or {}).values()]
+    logits = logits.clone()
+    logits[rows, cols] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def _keep_only(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """-inf for every token outside a row's allowed_token_ids (rows without a list keep all)."""
+    limited = [i for i, ids in enumerate(allowed) if ids is not None]
+    keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for row, i in enumerate(limited):
+        keep[row, allowed[i]] = True
+    logits = logits.clone()
+    logits[limited] = logits[limited].masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def _ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:

@@ -23,26 +23,33 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers
+        self.code = code
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.headers)
+        return error_response(self.status, self.message, self.param, self.headers, self.code)
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
+    """`code`: OpenAI's machine-readable reason where it has one, else the status."""
     body = {
         "error": {
             "message": message,
             "type": _ERROR_TYPES.get(status, "server_error"),
             "param": param,
-            "code": status,
+            "code": code or status,
         }
     }
     return JSONResponse(body, status_code=status, headers=headers)

@@ -48,9 +48,6 @@ def check_extra_fields(
     extra: dict[str, object], limits: ServerLimits, config: EngineConfig
 ) -> None:
     """Fields forklift accepts but does not act on must still be bounded."""
-    bias = extra.get("logit_bias")
-    if isinstance(bias, dict | list):
-        at_most("logit_bias", len(bias), limits.max_logit_bias, "max_logit_bias")
     best_of = extra.get("best_of")
     if isinstance(best_of, int) and best_of > config.max_n:
         raise APIError(

@@ -46,6 +46,10 @@ class SamplingFields(BaseModel):
     # Output constraints (forklift/server/structured.py); vLLM's guided_* arrive as extras.
     response_format: Any = None
     structured_outputs: Any = None
+    # OpenAI's token id (a string in JSON) -> bias in [-100, 100]; vLLM's token choices.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def sampling_params(
         self,
@@ -73,11 +77,26 @@ class SamplingFields(BaseModel):
             logprobs_mode=self.logprobs_mode,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
+            logit_bias=_token_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON object keys are strings: each must spell a token id."""
+    if bias is None:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {key!r}")
+        parsed[int(key)] = value
+    return parsed
 
 
 class CompletionRequest(SamplingFields):

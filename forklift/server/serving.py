@@ -14,7 +14,7 @@ from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
-from forklift.server.limits import ServerLimits, check_extra_fields
+from forklift.server.limits import ServerLimits, at_most, check_extra_fields
 from forklift.server.protocol import SamplingFields
 from forklift.server.streams import merge_streams
 from forklift.server.structured import structured_params
@@ -39,11 +39,13 @@ class ServerContext:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
+            # OpenAI's and vLLM's answer: 404 with code model_not_found.
             raise APIError(
-                400,
+                404,
                 f"The model `{model}` does not exist; this server serves "
                 f"`{self.served_model_name}`.",
                 "model",
+                code="model_not_found",
             )
 
 
@@ -101,6 +103,9 @@ def make_params(
     constraint fields. The grammar compiles later, in `launch`'s validation."""
     extra = body.model_extra or {}
     check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
+    if body.logit_bias is not None:
+        limit = ctx.limits.max_logit_bias
+        at_most("logit_bias", len(body.logit_bias), limit, "max_logit_bias")
     asked = structured_params(body.response_format, body.structured_outputs, extra)
     if constraint is not None and asked is not None:
         message = f"{asked.param} cannot be combined with a tool_choice that forces a call"
