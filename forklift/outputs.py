@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token, None for the first (vLLM's shape): the token plus the top N.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -59,4 +61,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # The engine's weight version when this output was produced (see update_weights).
     weight_version: int = 0
+    # SamplingParams.prompt_logprobs; complete once the prompt is computed (the first output).
+    prompt_logprobs: PromptLogprobs | None = None
     extra: dict[str, object] = field(default_factory=dict)

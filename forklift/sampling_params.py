@@ -43,6 +43,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The logprob of every prompt token after the first (and the top N at each position),
+    # from the model's raw distribution; computed in the prefill, so such a request takes no
+    # prefix-cache hit.
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "processed"
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -130,6 +134,12 @@ class SamplingParams:
             "logprobs",
             # The upper bound is the engine's max_logprobs (forklift/core/request_limits.py).
             f"must be a non-negative integer, got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
+            f"must be a non-negative integer, got {self.prompt_logprobs}",
         )
         _check(
             self.logprobs_mode in LOGPROBS_MODES,

@@ -56,3 +56,54 @@ def test_default_model_greedy_parity(default_llm_fp32, hf_oracle):
         # Greedy picks the top token: its rank is 1 and it heads the top-2 list.
         assert all(completion.logprobs[i][t].rank == 1 for i, t in enumerate(expected_tokens))
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_multiple_choice_scores_through_the_completions_api_match_transformers(
+    default_source, hf_oracle
+):
+    """As an evaluation harness scores a task: each choice's summed continuation logprob from
+    `echo`, `logprobs` and `max_tokens: 0` on the completions API, against transformers'
+    teacher-forced sum; both pick the same choices."""
+    import json
+    from pathlib import Path
+
+    import openai
+    from server_harness import running_server
+
+    from forklift.config import EngineConfig
+    from forklift.engine.engine import LLMEngine
+    from forklift.server.app import build_app
+
+    config = EngineConfig(model=str(default_source.path), dtype="float32", max_model_len=256,
+                          kv_cache_memory_bytes=32 * 2**20)  # fmt: skip
+    engine = LLMEngine(config)
+    tokenizer = engine.tokenizer
+    tasks = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
+    picked = {"api": [], "hf": []}
+    with running_server(build_app(engine, "smol")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for task in tasks:
+            context = tokenizer.encode(task["context"], add_special_tokens=False)
+            scores = {"api": [], "hf": []}
+            for choice in task["choices"]:
+                continuation = tokenizer.encode(choice, add_special_tokens=False)
+                ids = context + continuation
+                reply = client.completions.create(
+                    model="smol", prompt=ids, echo=True, max_tokens=0, logprobs=1
+                ).choices[0]
+                assert reply.finish_reason == "length"
+                logprobs = reply.logprobs
+                assert len(logprobs.token_logprobs) == len(ids)
+                assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+                assert reply.text == tokenizer.decode(ids, skip_special_tokens=False)
+                scores["api"].append(sum(logprobs.token_logprobs[-len(continuation) :]))
+                with torch.no_grad():
+                    logits = hf_oracle(torch.tensor([ids])).logits[0].float()
+                teacher = torch.log_softmax(logits, dim=-1)
+                positions = range(len(context) - 1, len(ids) - 1)
+                scores["hf"].append(sum(teacher[p, ids[p + 1]].item() for p in positions))
+            assert scores["api"] == pytest.approx(scores["hf"], abs=2e-3)
+            for side in picked:
+                picked[side].append(max(range(len(task["choices"])), key=scores[side].__getitem__))
+    assert picked["api"] == picked["hf"]
+    assert sum(p == t["answer"] for p, t in zip(picked["api"], tasks, strict=True)) >= 3

@@ -94,8 +94,10 @@ def test_completion_prompt_forms_echo_and_logprobs(client, server):
     )
     assert by_text.choices[0].text == "Hello there" + by_ids.choices[0].text
     lp = by_text.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 4
-    assert all(v <= 0 for v in lp.token_logprobs)
+    # Echoed, the prompt's tokens come first (the first has no logprob), as OpenAI's do.
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 4
+    assert lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
     many = client.completions.create(
         model=MODEL, prompt=["One", "Two"], n=2, temperature=0.8, seed=3, max_tokens=3
     )
@@ -251,6 +253,42 @@ def test_logit_bias_and_token_choices_reach_the_sampler(client, server):
         response = httpx.post(server[0] + "/v1/chat/completions", json={**base, **bad})
         assert response.status_code == 400
         assert response.json()["error"]["param"] == next(iter(bad))
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, server):
+    engine = server[1]
+    prompt = "The capital of France is"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                      logprobs=2)  # fmt: skip
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                       logprobs=2, echo=True)  # fmt: skip
+    full, part = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert len(full.tokens) == len(ids) + 3 and full.tokens[len(ids) :] == part.tokens
+    assert full.token_logprobs[0] is None and full.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in full.token_logprobs[1:])
+    assert full.token_logprobs[len(ids) :] == pytest.approx(part.token_logprobs, abs=1e-4)
+    assert full.text_offset == sorted(full.text_offset)
+    assert full.text_offset[len(ids)] == len(prompt)
+    # Streamed, the first chunk carries the echoed prompt and its logprobs.
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                       logprobs=2, echo=True, stream=True)  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(prompt)
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(full.token_logprobs[1:], abs=1e-4)
+    # max_tokens 0 is for scoring: allowed with echo only.
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=0)  # fmt: skip
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        full.token_logprobs[1 : len(ids)], abs=1e-4
+    )
+    bad = httpx.post(server[0] + "/v1/completions",
+                     json={"model": MODEL, "prompt": prompt, "max_tokens": 0})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
 def test_an_unknown_model_is_model_not_found(client):

@@ -21,13 +21,16 @@ class LimitError(ValueError):
 def check_sampling_limits(params: SamplingParams, config: EngineConfig, vocab_size: int) -> None:
     """Raise LimitError for the first field of `params` over its limit in `config`."""
     _at_most("n", params.n, config.max_n, "max_n")
-    if params.logprobs is not None:
-        _at_most("logprobs", params.logprobs, config.max_logprobs, "max_logprobs")
-        if params.logprobs > vocab_size:
+    for field in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, field)
+        if count is None:
+            continue
+        _at_most(field, count, config.max_logprobs, "max_logprobs")
+        if count > vocab_size:
             raise LimitError(
-                f"SamplingParams.logprobs is {params.logprobs}, more than the vocabulary "
+                f"SamplingParams.{field} is {count}, more than the vocabulary "
                 f"({vocab_size} tokens)",
-                "logprobs",
+                field,
             )
     _at_most("stop", len(params.stop), config.max_stop_strings, "max_stop_strings", "entries")
     longest = max((len(s) for s in params.stop), default=0)

@@ -200,7 +200,9 @@ class Scheduler:
         if self._waits_for_a_slot(request):
             return None
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
-        cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if fresh else []
+        # A request scoring its prompt computes every prompt position: no cache hit for it.
+        lookup = fresh and request.sampling_params.prompt_logprobs is None
+        cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if lookup else []
         start = request.num_computed_tokens + len(cached) * kv.block_size
         num_new = self._chunk(request, start, budget)
         if num_new == 0 or not kv.allocate_slots(request.request_id, start + num_new, cached):
@@ -217,6 +219,8 @@ class Scheduler:
     def _chunk_of(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
+        top = request.sampling_params.prompt_logprobs
+        prompt = request.prompt_token_ids
         return ScheduledChunk(
             request.request_id,
             request.all_token_ids[start:end],
@@ -225,6 +229,8 @@ class Scheduler:
             max(min(end, request.num_prompt_tokens) - start, 0),
             self._slot(request),
             request.sampling_row() if end == request.num_tokens else None,
+            top,
+            prompt[start + 1 : min(end, len(prompt) - 1) + 1] if top is not None else (),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -49,6 +49,10 @@ class ScheduledChunk:
     state_slot: int = 0
     # Set when this chunk reaches the end of the sequence's tokens, so it yields a token.
     sampling: SamplingRow | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): how many top tokens, and the prompt
+    # token each of this chunk's first len(targets) positions predicts (position p: p + 1).
+    prompt_logprobs: int | None = None
+    prompt_logprob_targets: Sequence[int] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -320,6 +320,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use (as {taken!r})")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         parent = ParentRequest(request_id, processed.prompt, prompt_ids, metrics)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]  # the first token has nothing before it
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -421,6 +423,10 @@ class LLMEngine:
             for row, item in enumerate(result.sampled_items):
                 sampled[item] = result.sampler_output.token_ids[row]
         self.scheduler.update(sched, sampled)
+        for item, scores in result.prompt_scores:
+            chunk = sched.scheduled[item]
+            parent, _ = self._sequences[chunk.request_id]
+            self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores)
         touched: dict[str, ParentRequest] = {}
         if result.sampler_output is not None:
             for row, item in enumerate(result.sampled_items):

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 
 from forklift.core.request import FinishReason, Request
 from forklift.engine.detokenizer import IncrementalDetokenizer
-from forklift.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from forklift.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from forklift.runner.prompt_scores import PromptScores
 from forklift.tokenizer import Tokenizer
 
 
@@ -50,6 +57,9 @@ class ParentRequest:
     prompt_token_ids: list[int]
     metrics: RequestMetrics
     sequences: list[OutputSequence] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token as the prefill reaches it.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,6 +74,7 @@ class ParentRequest:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.sequences[0].request.num_cached_tokens,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs else None,
         )
 
 
@@ -124,6 +135,27 @@ class OutputProcessor:
             sequence.logprobs = []
         sequence.logprobs.append(entry)
         sequence.cumulative_logprob = (sequence.cumulative_logprob or 0.0) + logprob
+
+    def record_prompt_logprobs(
+        self, parent: ParentRequest, first_token: int, scores: PromptScores
+    ) -> None:
+        """Scores of prompt tokens first_token, first_token + 1, ...; a token already scored
+        (a recomputed chunk, another sample's copy of the prompt) is not added twice."""
+        entries = parent.prompt_logprobs
+        if entries is None:
+            return
+        prompt = parent.prompt_token_ids
+        for row, logprob in enumerate(scores.logprobs):
+            index = first_token + row
+            if index != len(entries):
+                continue
+            token = prompt[index]
+            entry = {token: Logprob(logprob, scores.ranks[row], self._token_text(token))}
+            top = zip(scores.top_ids[row], scores.top_logprobs[row], strict=True)
+            for rank, (tid, value) in enumerate(top, start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, rank, self._token_text(tid))
+            entries.append(entry)
 
     def _token_text(self, token_id: int) -> str | None:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,12 @@ from forklift.runner.memory import (
     total_device_memory,
 )
 from forklift.runner.mirroring import RankMirror, mirrored
+from forklift.runner.prompt_scores import (
+    PromptScores,
+    prompt_rows_of,
+    score_prompt_rows,
+    split_prompt_scores,
+)
 from forklift.sampling.metadata import SamplingBatch
 from forklift.sampling.sampler import SamplerOutput, sample
 
@@ -61,6 +67,10 @@ class StepInputs:
     # Hybrid models: [n, 2] (source, target) state slots to copy before the step (a sample
     # of n > 1 forks its prompt's state).
     state_copies: torch.Tensor | None = None
+    # Prompt logprobs: flat rows scored, the prompt token each predicts, how many top tokens.
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_top: int = 0
 
 
 @dataclass
@@ -68,6 +78,8 @@ class StepResult:
     # Index into the scheduled list of each row of `sampler_output`.
     sampled_items: list[int]
     sampler_output: SamplerOutput | None
+    # (index into the scheduled list, its rows of scores) for chunks scoring their prompt.
+    prompt_scores: list[tuple[int, PromptScores]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -342,19 +354,21 @@ class ModelRunner:
             scheduled, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
         )
         sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
-        logits = self.forward_step(inputs, key)
+        logits, scores = self.forward_step(inputs, key)
+        prompt_scores = split_prompt_scores(scheduled, scores) if scores is not None else []
         if logits is None:
-            return StepResult([], None)
+            return StepResult([], None, prompt_scores)
         with torch.inference_mode():
             rows = [row for item in scheduled if (row := item.sampling) is not None]
             batch = SamplingBatch.from_rows(rows, self.device, logits.shape[1])
-            return StepResult(sampled_items, sample(logits, batch))
+            return StepResult(sampled_items, sample(logits, batch), prompt_scores)
 
     @mirrored
     def forward_step(
         self, inputs: StepInputs, key: CaptureKey | None = None
-    ) -> torch.Tensor | None:
-        """The model on one step's inputs; logits of the sampling rows (None if none)."""
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """The model on one step's inputs: logits of the sampling rows (None if none), and
+        the scores of the prompt rows asked for (None if none)."""
         with torch.inference_mode():
             if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
                 self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
@@ -368,9 +382,17 @@ class ModelRunner:
                 hidden = self.model(
                     inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta
                 )
+            scores = None
+            if inputs.prompt_rows is not None and inputs.prompt_targets is not None:
+                scores = score_prompt_rows(
+                    self.model.compute_logits,
+                    hidden[inputs.prompt_rows],
+                    inputs.prompt_targets,
+                    inputs.prompt_top,
+                )
             if inputs.sample_index.numel() == 0:
-                return None
-            return self.model.compute_logits(hidden[inputs.sample_index])
+                return None, scores
+            return self.model.compute_logits(hidden[inputs.sample_index]), scores
 
     def _copy_states(self, copies: torch.Tensor) -> None:
         source, target = copies[:, 0], copies[:, 1]
@@ -438,7 +460,7 @@ class ModelRunner:
         meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         sample_index = (np.cumsum(query_lens) - 1)[sampling]
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=torch.from_numpy(ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta,
@@ -446,6 +468,12 @@ class ModelRunner:
             fresh_blocks=torch.from_numpy(self._take_unwritten(table)).to(self.device),
             state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
         )
+        asked = prompt_rows_of(scheduled, np.cumsum(query_lens) - query_lens)
+        if asked is not None:
+            rows, targets, inputs.prompt_top = asked
+            inputs.prompt_rows = torch.from_numpy(rows).to(self.device)
+            inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
+        return inputs
 
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` never used since the cache was allocated, now marked used."""

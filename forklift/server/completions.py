@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -43,9 +44,16 @@ async def create_completion(
     ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    params = make_params(ctx, body, body.max_tokens, body.logprobs)
+    # Evaluation harnesses score a prompt with echo, logprobs and max_tokens 0: the prompt's
+    # own logprobs, no completion. The engine samples one token, which is dropped.
+    echo_only = body.echo and body.max_tokens == 0
+    params = make_params(ctx, body, 1 if echo_only else body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        params = params.clone(prompt_logprobs=body.logprobs)
     prompts = prompt_list(ctx, body.prompt)
     run = await launch(ctx, "cmpl", prompts, params, body.cache_salt)
+    if echo_only:
+        run.stream = _without_completions(run.stream)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)
@@ -57,13 +65,16 @@ async def create_completion(
         assert output is not None
         prefix = _echo_text(ctx, body, run.prompt_ids[prompt_index])
         for completion in output.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _prompt_logprobs(ctx, body, output)
+                end = len(completion.token_ids)
+                _extend(logprobs, _logprobs(ctx, completion, 0, end, len(prefix)))
             choices.append(
                 {
                     "index": prompt_index * body.n + completion.index,
                     "text": prefix + completion.text,
-                    "logprobs": _logprobs(ctx, completion, 0, len(completion.token_ids), 0)
-                    if body.logprobs is not None
-                    else None,
+                    "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
@@ -78,6 +89,51 @@ async def create_completion(
             "usage": usage(run.prompt_ids, outputs),
         }
     )
+
+
+async def _without_completions(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """max_tokens 0: each output with its sampled token dropped, finished by length."""
+    async for index, output in stream:
+        if not output.finished:
+            continue
+        empty = [
+            replace(c, text="", token_ids=[], cumulative_logprob=None,
+                    logprobs=[] if c.logprobs is not None else None, finish_reason="length",
+                    stop_reason=None)
+            for c in output.outputs
+        ]  # fmt: skip
+        yield index, replace(output, outputs=empty)
+
+
+def _prompt_logprobs(
+    ctx: ServerContext, body: CompletionRequest, output: RequestOutput
+) -> dict[str, Any]:
+    """The echoed prompt's part of the logprobs object (its first token has none)."""
+    part: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}  # fmt: skip
+    if not body.echo or output.prompt_logprobs is None:
+        return part
+    offset = 0
+    for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
+        piece = ctx.tokenizer.token_text(token_id) or ""
+        part["tokens"].append(piece)
+        part["text_offset"].append(offset)
+        offset += len(piece)
+        if entry is None:
+            part["token_logprobs"].append(None)
+            part["top_logprobs"].append(None)
+            continue
+        part["token_logprobs"].append(json_logprob(entry[token_id].logprob))
+        top = {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()}
+        part["top_logprobs"].append(top)
+    return part
+
+
+def _extend(logprobs: dict[str, Any], more: dict[str, Any]) -> None:
+    for key, values in more.items():
+        logprobs[key].extend(values)
 
 
 def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt_ids: list[int]) -> str:
@@ -107,7 +163,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, run: Launch) -> A
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
             state = progress.setdefault(index, ChoiceProgress())
-            choice = _delta_choice(ctx, body, run, prompt_index, completion, index, state)
+            choice = _delta_choice(ctx, body, run, output, completion, index, state)
             if choice is not None:
                 yield chunk([choice])
     if body.include_usage:
@@ -129,7 +185,7 @@ def _delta_choice(
     ctx: ServerContext,
     body: CompletionRequest,
     run: Launch,
-    prompt_index: int,
+    output: RequestOutput,
     completion: CompletionOutput,
     index: int,
     state: ChoiceProgress,
@@ -137,16 +193,21 @@ def _delta_choice(
     if state.finished:
         return None
     text = completion.text[state.text_len :]
-    if not state.started:
-        text = _echo_text(ctx, body, run.prompt_ids[prompt_index]) + text
+    echo = "" if state.started else _echo_text(ctx, body, output.prompt_token_ids)
+    text = echo + text
     finish = completion.finish_reason
     if not text and finish is None:
         return None
     logprobs = None
     if body.logprobs is not None:
+        prompt_part = _prompt_logprobs(ctx, body, output) if not state.started else None
         logprobs = _logprobs(
-            ctx, completion, state.num_tokens, len(completion.token_ids), state.text_len
-        )
+            ctx, completion, state.num_tokens, len(completion.token_ids),
+            len(echo) + state.text_len,
+        )  # fmt: skip
+        if prompt_part is not None:
+            _extend(prompt_part, logprobs)
+            logprobs = prompt_part
     state.started = True
     state.text_len = len(completion.text)
     state.num_tokens = len(completion.token_ids)
