@@ -33,6 +33,9 @@ from forklift.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from forklift.server.response_store import ResponseStore
+from forklift.server.responses import create_response, delete_response, retrieve_response
+from forklift.server.responses_protocol import ResponsesRequest
 from forklift.server.serving import ServerContext
 from forklift.server.status import STATUS_JSON_PATH, SnapshotSource, add_status_routes
 from forklift.server.tool_parsers import make_parser
@@ -69,6 +72,8 @@ def build_app(
     app = FastAPI(title="forklift", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     app.state.metrics = metrics
+    # Responses kept for previous_response_id and GET / DELETE /v1/responses/{id}.
+    app.state.responses = ResponseStore()
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit_for=limits.body_limit)
     if api_key is not None:
@@ -95,6 +100,20 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await create_chat_completion(ctx, body, request.is_disconnected))
+
+    store: ResponseStore = app.state.responses
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return respond(await create_response(ctx, store, body, request.is_disconnected))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return retrieve_response(store, response_id, request.query_params)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> dict[str, Any]:
+        return delete_response(store, response_id)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -12,6 +12,8 @@ from forklift.structured.params import StructuredOutputsParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's usage on every chunk: refused when true (forklift/server/serving.py).
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):

@@ -14,10 +14,11 @@ from forklift.engine.async_engine import AsyncEngine
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
+from forklift.server.field_policy import FieldPolicy
 from forklift.server.limits import ServerLimits, at_most, check_extra_fields
 from forklift.server.protocol import SamplingFields
 from forklift.server.streams import merge_streams
-from forklift.server.structured import structured_params
+from forklift.server.structured import GUIDED_FIELDS, structured_params
 from forklift.structured.params import StructuredOutputsParams
 from forklift.tokenizer import Tokenizer
 
@@ -29,6 +30,10 @@ class ServerContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     # How `tool_choice: auto` output is read (forklift/server/tool_parsers.py).
     tool_call_parser: str = "hermes"
+    # Fields the server refuses, or ignores with a warning (forklift/server/field_policy.py).
+    fields: FieldPolicy = field(
+        default_factory=lambda: FieldPolicy(understood=frozenset(GUIDED_FIELDS))
+    )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -103,6 +108,10 @@ def make_params(
     constraint fields. The grammar compiles later, in `launch`'s validation."""
     extra = body.model_extra or {}
     check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
+    ctx.fields.check(extra, body.n)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        message = "stream_options.continuous_usage_stats is not supported: usage comes last"
+        raise APIError(400, message, "stream_options")
     if body.logit_bias is not None:
         limit = ctx.limits.max_logit_bias
         at_most("logit_bias", len(body.logit_bias), limit, "max_logit_bias")

@@ -12,7 +12,7 @@ from typing import Any
 from forklift.server.errors import APIError
 from forklift.structured.params import StructuredOutputsError, StructuredOutputsParams
 
-_GUIDED_FIELDS = {
+GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
@@ -33,7 +33,7 @@ def structured_params(
                 candidates.append(found)
         if structured_outputs is not None:
             candidates.append(_from_structured_outputs(structured_outputs))
-        for name, option in _GUIDED_FIELDS.items():
+        for name, option in GUIDED_FIELDS.items():
             if extra.get(name) is not None:
                 candidates.append(StructuredOutputsParams(**{option: extra[name]}, param=name))
     except StructuredOutputsError as exc:
