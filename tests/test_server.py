@@ -291,6 +291,35 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "refused", "accepted"),
+    [
+        ("/v1/completions", "use_beam_search", True, False),
+        ("/v1/completions", "best_of", 3, 1),
+        ("/v1/completions", "priority", 5, 0),
+        ("/v1/completions", "truncate_prompt_tokens", 4, None),
+        ("/v1/chat/completions", "logits_processors", ["my.module:proc"], None),
+        ("/v1/chat/completions", "echo", True, False),
+        ("/v1/chat/completions", "parallel_tool_calls", False, True),
+        ("/v1/chat/completions", "stream_options", {"continuous_usage_stats": True},
+         {"include_usage": False}),
+    ],
+)  # fmt: skip
+def test_fields_without_machinery_are_refused_unless_they_ask_nothing(
+    server, caplog, path, field, refused, accepted
+):
+    body = {"model": MODEL, "max_tokens": 2}
+    body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": QUESTION}
+    bad = httpx.post(server[0] + path, json={**body, field: refused})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+    assert "not supported" in bad.json()["error"]["message"]
+    assert httpx.post(server[0] + path, json={**body, field: accepted}).status_code == 200
+    with caplog.at_level("WARNING", logger="forklift"):
+        ok = httpx.post(server[0] + path, json={**body, "no_such_field_" + field: 1})
+    assert ok.status_code == 200
+    assert f"'no_such_field_{field}' is not known" in caplog.text
+
+
 def test_an_unknown_model_is_model_not_found(client):
     """As OpenAI and vLLM answer: 404, code model_not_found (the openai client's
     NotFoundError)."""
