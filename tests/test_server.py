@@ -320,6 +320,29 @@ def test_fields_without_machinery_are_refused_unless_they_ask_nothing(
     assert f"'no_such_field_{field}' is not known" in caplog.text
 
 
+def test_vllms_prompt_logprobs_field_on_both_apis(client, server):
+    prompt = "The capital of France is"
+    ids = server[1].tokenizer.encode(prompt, add_special_tokens=False)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=0)  # fmt: skip
+    want = echoed.choices[0].logprobs.token_logprobs
+    cmpl = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 2})  # fmt: skip
+    scored = cmpl.choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    got = [scored[i][str(t)]["logprob"] for i, t in enumerate(ids) if i]
+    assert got == pytest.approx(want[1:], abs=1e-4)
+    assert all(len(entry) >= 2 for entry in scored[1:])  # the token plus the top 2
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    streamed = httpx.post(server[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "stream": True, "prompt_logprobs": 1})  # fmt: skip
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_an_unknown_model_is_model_not_found(client):
     """As OpenAI and vLLM answer: 404, code model_not_found (the openai client's
     NotFoundError)."""

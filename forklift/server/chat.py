@@ -18,6 +18,7 @@ from forklift.server.serving import (
     json_logprob,
     launch,
     make_params,
+    prompt_logprobs_json,
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
@@ -128,6 +129,7 @@ async def create_chat_completion(
             "model": ctx.served_model_name,
             "choices": choices,
             "usage": usage(run.prompt_ids, [output]),
+            "prompt_logprobs": prompt_logprobs_json(output),
         }
     )
 

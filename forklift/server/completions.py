@@ -19,6 +19,7 @@ from forklift.server.serving import (
     json_logprob,
     launch,
     make_params,
+    prompt_logprobs_json,
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
@@ -49,7 +50,8 @@ async def create_completion(
     echo_only = body.echo and body.max_tokens == 0
     params = make_params(ctx, body, 1 if echo_only else body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:
-        params = params.clone(prompt_logprobs=body.logprobs)
+        top = max(body.logprobs, body.prompt_logprobs or 0)
+        params = params.clone(prompt_logprobs=top)
     prompts = prompt_list(ctx, body.prompt)
     run = await launch(ctx, "cmpl", prompts, params, body.cache_salt)
     if echo_only:
@@ -77,6 +79,9 @@ async def create_completion(
                     "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(output)
+                    if body.prompt_logprobs is not None
+                    else None,
                 }
             )
     return JSONResponse(

@@ -52,6 +52,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: each prompt token's logprob and the top N (`prompt_logprobs` in the response).
+    prompt_logprobs: int | None = None
 
     def sampling_params(
         self,
@@ -82,6 +84,7 @@ class SamplingFields(BaseModel):
             logit_bias=_token_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property

@@ -109,6 +109,9 @@ def make_params(
     extra = body.model_extra or {}
     check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
     ctx.fields.check(extra, body.n)
+    if body.stream and body.prompt_logprobs is not None:
+        # As vLLM: the prompt's logprobs come in the whole response only.
+        raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         message = "stream_options.continuous_usage_stats is not supported: usage comes last"
         raise APIError(400, message, "stream_options")
@@ -123,6 +126,26 @@ def make_params(
         return body.sampling_params(max_tokens, logprobs, constraint or asked)
     except ValueError as exc:
         raise bad_request(exc) from exc
+
+
+def prompt_logprobs_json(output: RequestOutput | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or token id ->
+    {logprob, rank, decoded_token}."""
+    if output is None or output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token): {
+                "logprob": json_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token, lp in entry.items()
+        }  # fmt: skip
+        for entry in output.prompt_logprobs
+    ]
 
 
 # JSON has no -inf: a token the sampling filters dropped (top-k, top-p, min-p, min_tokens)
