@@ -223,7 +223,7 @@ def test_quantized_engine_survives_sleep_and_wake(tmp_path):
 
 
 def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
-    """8 chat prompts x 64 greedy tokens: quantized (Q4_1 as int4) against the same file
+    """8 chat prompts x 32 greedy tokens: quantized (Q4_1 as int4) against the same file
     dense in bf16, with vLLM's check_logprobs_close criterion."""
     common = dict(
         model=str(default_source.path),
@@ -244,7 +244,7 @@ def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
     quantized = LLM(**common)
     dense = LLM(**common, quantization="none")
     assert quantized.llm_engine.quantization == "gguf"
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     convs = [[{"role": "user", "content": q}] for q in questions]
     got = quantized.chat(convs, params, use_tqdm=False)
     want = dense.chat(convs, params, use_tqdm=False)

@@ -120,9 +120,11 @@ def server(default_source):
         EngineConfig(
             model=str(default_source.path),
             dtype="float32",
-            max_model_len=256,
+            # Room for every valid body here; a small context also bounds the one that runs
+            # to it (min_tokens 10**9 with no max_tokens).
+            max_model_len=64,
             kv_cache_memory_bytes=16 * 2**20,
-            max_num_batched_tokens=256,
+            max_num_batched_tokens=64,
         )
     )
     with running_server(build_app(engine, M)) as url:
