@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -40,3 +42,18 @@ def wait_until_idle(engine, timeout: float = 30.0) -> None:
         if time.time() > deadline:
             raise AssertionError("engine still busy")
         time.sleep(0.05)
+
+
+@contextmanager
+def serving_default_model(source, name: str, **config: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(url, engine, app): the default model in fp32 behind the app, for a test module."""
+    from forklift.config import EngineConfig
+    from forklift.engine.engine import LLMEngine
+    from forklift.server.app import build_app
+
+    settings = dict(max_model_len=512, kv_cache_memory_bytes=64 * 2**20,
+                    max_num_batched_tokens=512) | config  # fmt: skip
+    engine = LLMEngine(EngineConfig(model=str(source.path), dtype="float32", **settings))
+    app = build_app(engine, name)
+    with running_server(app) as url:
+        yield url, engine, app

@@ -7,11 +7,7 @@ import json
 
 import httpx
 import pytest
-from server_harness import running_server, wait_until_idle
-
-from forklift.config import EngineConfig
-from forklift.engine.engine import LLMEngine
-from forklift.server.app import build_app
+from server_harness import serving_default_model, wait_until_idle
 
 M = "smol"
 USER = [{"role": "user", "content": "Hi"}]
@@ -116,18 +112,10 @@ HOSTILE = [
 
 @pytest.fixture(scope="module")
 def server(default_source):
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(default_source.path),
-            dtype="float32",
-            # Room for every valid body here; a small context also bounds the one that runs
-            # to it (min_tokens 10**9 with no max_tokens).
-            max_model_len=64,
-            kv_cache_memory_bytes=16 * 2**20,
-            max_num_batched_tokens=64,
-        )
-    )
-    with running_server(build_app(engine, M)) as url:
+    # Room for every valid body here; a small context also bounds the one that runs to it
+    # (min_tokens 10**9 with no max_tokens).
+    context = dict(max_model_len=64, kv_cache_memory_bytes=16 * 2**20, max_num_batched_tokens=64)
+    with serving_default_model(default_source, M, **context) as (url, engine, _):
         yield url, engine
 
 

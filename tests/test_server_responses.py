@@ -8,11 +8,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import running_server, wait_until_idle
+from server_harness import serving_default_model, wait_until_idle
 
-from forklift.config import EngineConfig
-from forklift.engine.engine import LLMEngine
-from forklift.server.app import build_app
 from forklift.server.response_store import ResponseStore, StoredResponse
 from forklift.server.responses_stream import StreamedOutput
 
@@ -46,17 +43,7 @@ TEXT_EVENTS = [
 
 @pytest.fixture(scope="module")
 def server(default_source):
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(default_source.path),
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=64 * 2**20,
-            max_num_batched_tokens=512,
-        )
-    )
-    app = build_app(engine, MODEL)
-    with running_server(app) as url:
+    with serving_default_model(default_source, MODEL) as (url, _, app):
         yield url, app
 
 

@@ -78,9 +78,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "audio": Unsupported("text is the only modality"),
     "prediction": Unsupported("predicted outputs are not implemented"),
     "web_search_options": Unsupported("there is no web search"),
-    "add_special_tokens": Unsupported(
-        "special tokens are added as the model's tokenizer configures"
-    ),
     "best_of": Unsupported("only best_of equal to n (no ranking) is served"),
     "echo": Unsupported("chat replies do not echo the conversation", _false),
 }
@@ -98,9 +95,18 @@ class FieldPolicy:
     # Extra fields another part of the server reads (vLLM's guided_* options).
     understood: frozenset[str] = frozenset()
 
-    def check(self, extra: dict[str, Any], n: int = 1) -> None:
+    def check(self, extra: dict[str, Any], n: int = 1, chat: bool = False) -> None:
+        """`chat`: the body is a chat request (vLLM's defaults differ per endpoint)."""
         for name, value in extra.items():
             rule = UNSUPPORTED.get(name)
+            if name == "add_special_tokens":
+                # What forklift does: a completions prompt gets the tokenizer's special tokens
+                # (vLLM's default True there); a chat prompt only what its template writes
+                # (vLLM's default False there).
+                rule = Unsupported(
+                    "special tokens are added as vLLM's default for this endpoint does",
+                    _equals(not chat),
+                )
             if rule is not None:
                 if name == "best_of" and value in (None, n):
                     continue

@@ -16,7 +16,7 @@ from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
 from forklift.server.field_policy import FieldPolicy
 from forklift.server.limits import ServerLimits, at_most, check_extra_fields
-from forklift.server.protocol import SamplingFields
+from forklift.server.protocol import ChatCompletionRequest, SamplingFields
 from forklift.server.streams import merge_streams
 from forklift.server.structured import GUIDED_FIELDS, structured_params
 from forklift.structured.params import StructuredOutputsParams
@@ -108,7 +108,7 @@ def make_params(
     constraint fields. The grammar compiles later, in `launch`'s validation."""
     extra = body.model_extra or {}
     check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
-    ctx.fields.check(extra, body.n)
+    ctx.fields.check(extra, body.n, chat=isinstance(body, ChatCompletionRequest))
     if body.stream and body.prompt_logprobs is not None:
         # As vLLM: the prompt's logprobs come in the whole response only.
         raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
