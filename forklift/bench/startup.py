@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from forklift.bench.environment import environment_variable
-from forklift.bench.report import write_report_files
+from forklift.bench.report import cpu_flags, write_report_files
 from forklift.bench.server_process import forklift_server
 
 
@@ -56,7 +56,9 @@ def run_startup_bench(model: str | None = None) -> dict[str, Any]:
             for cache in ("cold", "warm"):
                 ready, first = _one_start([*base, flag], cache_dir)
                 points.append(StartupPoint(mode, cache, ready, first))
-    return {"benchmark": "startup", "cores": os.cpu_count(), "points": [asdict(p) for p in points]}
+    points_json = [asdict(p) for p in points]
+    return {"benchmark": "startup", "cores": os.cpu_count(), "cpu_flags": cpu_flags(),
+            "points": points_json}  # fmt: skip
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -68,7 +70,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['cores']} cores. Ready: process start until /health answers (model load, KV "
         "budget profiling, HTTP up). First completion: a 16-token request right after, which "
         "in captured mode includes compiling. Cold: empty torch.compile cache; warm: the "
-        "cache the cold start filled.",
+        "cache the cold start filled. "
+        f"CPU flags: {' '.join(report.get('cpu_flags', [])) or 'n/a'}.",
         "",
         "| decode mode | compile cache | ready (s) | first completion (s) | ready + first (s) |",
         "|---|---|---|---|---|",
