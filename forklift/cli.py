@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from forklift.config import (
     SERVE_PREFILL_PACE_STEPS,
     EngineConfig,
 )
+from forklift.cpu import CPU_KIND_ENV, simulated_cpu_kind, torch_environment
 from forklift.rl.cli import add_rl_parser
 from forklift.sampling_params import SamplingParams
 
@@ -330,11 +332,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cap_torch_at_simulated_kind() -> None:
+    """Under FORKLIFT_CPU_KIND, torch's kernels take the kind's caps too; set before this
+    process runs its first torch kernel (a process that already has gets no caps)."""
+    kind = simulated_cpu_kind()
+    if kind is None:
+        return
+    missing = {k: v for k, v in torch_environment(kind).items() if k not in os.environ}
+    if missing and "torch" in sys.modules:
+        logging.getLogger("forklift").warning(
+            "%s=%s: torch was loaded before its caps could be set", CPU_KIND_ENV, kind
+        )
+    os.environ.update(missing)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        cap_torch_at_simulated_kind()
         return int(args.func(args))
     except ValueError as exc:
         print(f"forklift: error: {exc}", file=sys.stderr)

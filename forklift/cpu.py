@@ -4,8 +4,9 @@ the flags native kernels are compiled with.
 `FORKLIFT_CPU_KIND=avx2` makes a newer x86-64 CPU present itself as an AVX2-only one (no
 AVX-512, AMX or AVX-VNNI): dtype "auto" picks float32, bf16 weights stay unpacked and native
 kernels are built for x86-64-v3. Together with torch's own caps (`ATEN_CPU_CAPABILITY=avx2`,
-`ONEDNN_MAX_CPU_ISA=AVX2`, which must be set before torch first runs a kernel) it runs the
-AVX2 path on an AVX-512 machine, so tests and benchmarks can cover both kinds.
+`ONEDNN_MAX_CPU_ISA=AVX2`, which must be set before torch first runs a kernel: the
+`forklift` command and tests/conftest.py set them from this variable) it runs the AVX2 path
+on an AVX-512 machine, so tests and benchmarks can cover both kinds.
 """
 
 from __future__ import annotations

@@ -194,6 +194,11 @@ class SamplingParams:
             "allowed_token_ids",
             "must hold non-negative token ids",
         )
+        _check(
+            allowed is None or self.structured_outputs is None,
+            "allowed_token_ids",
+            "cannot be combined with structured_outputs (the grammar decides the tokens)",
+        )
         words = self.bad_words
         _check(
             words is None

@@ -83,3 +83,14 @@ def test_prompt_logprobs_are_bounded_like_logprobs(tiny):
     for bad in (-1, 10**6):
         with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs"):
             llm.generate("w1 w2", SamplingParams(prompt_logprobs=bad), use_tqdm=False)
+
+
+def test_each_request_keeps_its_own_number_of_top_tokens(tiny):
+    """Rows of one step are scored with the most top tokens any request asked for; each
+    request's entries hold its own top N (plus the prompt token itself)."""
+    _, llm = tiny
+    prompts = _prompts()[:2]
+    asks = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=n) for n in (1, 6)]
+    few, many = llm.generate([{"prompt_token_ids": p} for p in prompts], asks, use_tqdm=False)
+    assert all(len(e) <= 2 for e in few.prompt_logprobs[1:])
+    assert all(len(e) >= 6 for e in many.prompt_logprobs[1:])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from forklift import SamplingParams
+from forklift.structured.params import StructuredOutputsParams
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
 
@@ -67,6 +68,16 @@ def test_allowed_token_ids_limit_every_sample(default_llm_fp32):
         assert produced and produced <= set(allowed)
 
 
+def test_allowed_token_ids_win_over_min_tokens_bans(default_llm_fp32):
+    """Only EOS allowed while min_tokens bans it: the allowed token is still what comes out
+    (a row with nothing left would otherwise fall to token 0)."""
+    eos = min(default_llm_fp32.get_tokenizer().eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, ignore_eos=True,
+                            allowed_token_ids=[eos])  # fmt: skip
+    out = default_llm_fp32.generate("Hi", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) == {eos}
+
+
 def test_bad_words_are_never_completed(default_llm_fp32):
     llm = default_llm_fp32
     tokenizer = llm.get_tokenizer()
@@ -93,6 +104,11 @@ def test_bad_words_are_never_completed(default_llm_fp32):
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
         ({"bad_words": [""]}, "bad_words"),
+        ({"allowed_token_ids": list(range(60_000))}, "allowed_token_ids"),
+        (
+            {"allowed_token_ids": [5], "structured_outputs": StructuredOutputsParams(regex="a")},
+            "allowed_token_ids",
+        ),
     ],
 )
 def test_bad_token_choices_name_the_field(default_llm_fp32, fields, field):

@@ -38,7 +38,8 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     _check_magic(path)
     stat = path.stat()
     try:
-        reader = _parse(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        reader = _parse(str(path.resolve()), (stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                                              stat.st_ctime_ns))  # fmt: skip
     except Exception as exc:  # the reader fails with assorted numpy/enum/key errors
         raise ValueError(f"GGUF file {path} is truncated or corrupt: {exc}") from exc
     _check_tensor_extents(path, reader)
@@ -46,11 +47,12 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+def _parse(path: str, identity: tuple[int, ...]) -> gguf.GGUFReader:
     """Parsing a 49k-token vocabulary takes 1-2 s, so engines of one process (a test run,
-    an engine rebuilt at sleep or in a benchmark) share a file's read-only parse; a file
-    rewritten in place has another size or time and is parsed afresh."""
-    del size, mtime_ns  # only the cache key
+    an engine rebuilt at sleep or in a benchmark) share a file's read-only parse. A file
+    replaced or rewritten has another inode, size or change time (ctime, which no copy tool
+    sets back) and is parsed afresh."""
+    del identity  # only the cache key
     return _PlainArrayReader(path)
 
 

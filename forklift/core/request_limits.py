@@ -55,6 +55,14 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig, vocab_si
             )
     _at_most("bad_words", len(params.bad_words or ()), config.max_stop_strings,
              "max_stop_strings", "entries")  # fmt: skip
+    # The sampler masks with these ids on every step: no more entries than the vocabulary.
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) > vocab_size:
+        raise LimitError(
+            f"SamplingParams.allowed_token_ids has {len(allowed)} entries, more than the "
+            f"vocabulary ({vocab_size} tokens)",
+            "allowed_token_ids",
+        )
 
 
 def check_context_length(

@@ -252,8 +252,8 @@ class LLMEngine:
                 f"the KV cache holds {max(plan.num_blocks - 1, 0)} blocks "
                 f"({plan.token_capacity} tokens; budget {plan.source}), but one request of "
                 f"max_model_len={self.max_model_len} needs {needed} blocks of "
-                f"{plan.block_size} tokens. Raise kv_cache_memory_bytes or "
-                f"gpu_memory_utilization, or lower max_model_len."
+                f"{plan.block_size} tokens. Raise num_gpu_blocks_override, kv_cache_memory_bytes "
+                f"or gpu_memory_utilization (whichever sized it), or lower max_model_len."
             )
 
     def _log_startup(self, path: object) -> None:
@@ -426,7 +426,8 @@ class LLMEngine:
         for item, scores in result.prompt_scores:
             chunk = sched.scheduled[item]
             parent, _ = self._sequences[chunk.request_id]
-            self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores)
+            top = chunk.prompt_logprobs or 0
+            self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores, top)
         touched: dict[str, ParentRequest] = {}
         if result.sampler_output is not None:
             for row, item in enumerate(result.sampled_items):

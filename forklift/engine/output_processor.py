@@ -137,10 +137,11 @@ class OutputProcessor:
         sequence.cumulative_logprob = (sequence.cumulative_logprob or 0.0) + logprob
 
     def record_prompt_logprobs(
-        self, parent: ParentRequest, first_token: int, scores: PromptScores
+        self, parent: ParentRequest, first_token: int, scores: PromptScores, top: int
     ) -> None:
         """Scores of prompt tokens first_token, first_token + 1, ...; a token already scored
-        (a recomputed chunk, another sample's copy of the prompt) is not added twice."""
+        (a recomputed chunk, another sample's copy of the prompt) is not added twice. The
+        step scored the most top tokens any request asked for: this one keeps its `top`."""
         entries = parent.prompt_logprobs
         if entries is None:
             return
@@ -151,8 +152,8 @@ class OutputProcessor:
                 continue
             token = prompt[index]
             entry = {token: Logprob(logprob, scores.ranks[row], self._token_text(token))}
-            top = zip(scores.top_ids[row], scores.top_logprobs[row], strict=True)
-            for rank, (tid, value) in enumerate(top, start=1):
+            best = zip(scores.top_ids[row][:top], scores.top_logprobs[row][:top], strict=True)
+            for rank, (tid, value) in enumerate(best, start=1):
                 if tid not in entry:
                     entry[tid] = Logprob(value, rank, self._token_text(tid))
             entries.append(entry)

@@ -38,14 +38,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.allowed_token_ids is not None:
         logits = _keep_only(logits, batch.allowed_token_ids)
     if batch.token_bitmask is not None:
-        allowed = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
-        logits = _ban_tokens(allowed, batch.banned_token_ids)
-        # A grammar row whose every allowed token is banned (min_tokens holding back the
-        # EOS a complete grammar needs, a stop id it must write): the grammar wins.
-        emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
-        logits = torch.where(emptied, allowed, logits)
-    else:
-        logits = _ban_tokens(logits, batch.banned_token_ids)
+        logits = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
+    allowed = logits
+    logits = _ban_tokens(allowed, batch.banned_token_ids)
+    # A row whose every allowed token is banned (min_tokens holding back the EOS a complete
+    # grammar needs or the only allowed id, a bad word's last token): what the grammar and
+    # allowed_token_ids permit wins over the bans.
+    emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    logits = torch.where(emptied, allowed, logits)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
     token_ids = logits.argmax(dim=-1)

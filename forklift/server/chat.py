@@ -129,7 +129,7 @@ async def create_chat_completion(
             "model": ctx.served_model_name,
             "choices": choices,
             "usage": usage(run.prompt_ids, [output]),
-            "prompt_logprobs": prompt_logprobs_json(output),
+            "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs),
         }
     )
 

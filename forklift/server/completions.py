@@ -79,7 +79,7 @@ async def create_completion(
                     "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
-                    "prompt_logprobs": prompt_logprobs_json(output)
+                    "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs)
                     if body.prompt_logprobs is not None
                     else None,
                 }
@@ -121,17 +121,22 @@ def _prompt_logprobs(
     if not body.echo or output.prompt_logprobs is None:
         return part
     offset = 0
-    for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
+    entries = output.prompt_logprobs
+    top_n = body.logprobs or 0
+    for position, token_id in enumerate(output.prompt_token_ids):
         piece = ctx.tokenizer.token_text(token_id) or ""
         part["tokens"].append(piece)
         part["text_offset"].append(offset)
         offset += len(piece)
+        # None for the first token, and for any not scored (a request aborted mid-prefill).
+        entry = entries[position] if position < len(entries) else None
         if entry is None:
             part["token_logprobs"].append(None)
             part["top_logprobs"].append(None)
             continue
         part["token_logprobs"].append(json_logprob(entry[token_id].logprob))
-        top = {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()}
+        top = {(lp.decoded_token or ""): json_logprob(lp.logprob)
+               for t, lp in entry.items() if t == token_id or lp.rank <= top_n}  # fmt: skip
         part["top_logprobs"].append(top)
     return part
 

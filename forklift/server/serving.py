@@ -128,24 +128,29 @@ def make_params(
         raise bad_request(exc) from exc
 
 
-def prompt_logprobs_json(output: RequestOutput | None) -> list[Any] | None:
+def prompt_logprobs_json(output: RequestOutput | None, top: int | None) -> list[Any] | None:
     """vLLM's `prompt_logprobs` field: per prompt token None (the first) or token id ->
-    {logprob, rank, decoded_token}."""
-    if output is None or output.prompt_logprobs is None:
+    {logprob, rank, decoded_token}, for the token itself and the `top` best."""
+    if output is None or output.prompt_logprobs is None or top is None:
         return None
-    return [
-        None
-        if entry is None
-        else {
-            str(token): {
-                "logprob": json_logprob(lp.logprob),
-                "rank": lp.rank,
-                "decoded_token": lp.decoded_token,
-            }
-            for token, lp in entry.items()
-        }  # fmt: skip
-        for entry in output.prompt_logprobs
-    ]
+    fields = []
+    for position, entry in enumerate(output.prompt_logprobs):
+        if entry is None:
+            fields.append(None)
+            continue
+        token = output.prompt_token_ids[position]
+        kept = {t: lp for t, lp in entry.items() if t == token or lp.rank <= top}
+        fields.append(
+            {
+                str(t): {
+                    "logprob": json_logprob(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for t, lp in kept.items()
+            }  # fmt: skip
+        )
+    return fields
 
 
 # JSON has no -inf: a token the sampling filters dropped (top-k, top-p, min-p, min_tokens)
