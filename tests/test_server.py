@@ -433,7 +433,7 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client, server):
 
 
 def test_an_unknown_field_is_logged_once_by_name(caplog):
-    from forklift.server.field_policy import FieldPolicy
+    from forklift.server.field_policy import MAX_LOGGED_NAMES, FieldPolicy
 
     policy = FieldPolicy()
     with caplog.at_level("WARNING", logger="forklift"):
@@ -442,3 +442,5 @@ def test_an_unknown_field_is_logged_once_by_name(caplog):
     warned = [r for r in caplog.records if "frobnicate" in r.getMessage()]
     assert len(warned) == 1 and "'frobnicate' is not known" in warned[0].getMessage()
     assert policy.logged == {"frobnicate"}  # `user` changes nothing and is not warned about
+    policy.check({f"made_up_{i}": 1 for i in range(1000)})
+    assert len(policy.logged) == MAX_LOGGED_NAMES + 1  # bounded, however many names come

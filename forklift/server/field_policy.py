@@ -82,6 +82,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "echo": Unsupported("chat replies do not echo the conversation", _false),
 }
 
+# Distinct unknown field names logged per server, at most.
+MAX_LOGGED_NAMES = 64
+
 # Accepted and with no effect on the output, as with OpenAI's own API.
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "request_id"})
 
@@ -116,6 +119,12 @@ class FieldPolicy:
                 self._log_unknown(name)
 
     def _log_unknown(self, name: str) -> None:
-        if name not in self.logged:
-            self.logged.add(name)
-            logger.warning("request field %r is not known to forklift and was ignored", name)
+        if name in self.logged or len(self.logged) > MAX_LOGGED_NAMES:
+            return
+        self.logged.add(name)
+        if len(self.logged) > MAX_LOGGED_NAMES:
+            # A client inventing names must not grow this set or the log without end.
+            logger.warning("more than %d unknown request fields: no more are logged",
+                           MAX_LOGGED_NAMES)  # fmt: skip
+            return
+        logger.warning("request field %r is not known to forklift and was ignored", name)
