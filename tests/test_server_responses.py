@@ -137,15 +137,19 @@ def test_text_format_json_schema_is_followed(client):
     assert response.text.format.type == "json_schema"
 
 
+# A call forced to get_weather, as the two function-call tests make it.
+WEATHER_CALL = dict(
+    model=MODEL,
+    input="What is the weather in Paris?",
+    tools=[WEATHER_TOOL],
+    tool_choice=NAMED_CHOICE,
+    max_output_tokens=24,
+    temperature=0,
+)
+
+
 def test_named_function_call_then_its_result(client, server):
-    call_response = client.responses.create(
-        model=MODEL,
-        input="What is the weather in Paris?",
-        tools=[WEATHER_TOOL],
-        tool_choice=NAMED_CHOICE,
-        max_output_tokens=24,
-        temperature=0,
-    )
+    call_response = client.responses.create(**WEATHER_CALL)
     assert call_response.status == "completed"
     (call,) = call_response.output
     assert call.type == "function_call" and call.name == "get_weather"
@@ -181,12 +185,7 @@ def test_named_function_call_then_its_result(client, server):
 def test_streamed_function_call(client):
     events = list(
         client.responses.create(
-            model=MODEL,
-            input="What is the weather in Paris?",
-            tools=[WEATHER_TOOL],
-            tool_choice=NAMED_CHOICE,
-            max_output_tokens=24,
-            temperature=0,
+            **WEATHER_CALL,
             stream=True,
         )
     )

@@ -42,6 +42,15 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig, vocab_si
         "max_stop_token_ids",
         "entries",
     )
+    # The sampler masks with these ids on every step, and the scan below reads each: no
+    # more entries than the vocabulary (checked first, since it is cheap).
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) > vocab_size:
+        raise LimitError(
+            f"SamplingParams.allowed_token_ids has {len(allowed)} entries, more than the "
+            f"vocabulary ({vocab_size} tokens)",
+            "allowed_token_ids",
+        )
     for field, ids in (
         ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", list(params.logit_bias or ())),
@@ -55,14 +64,6 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig, vocab_si
             )
     _at_most("bad_words", len(params.bad_words or ()), config.max_stop_strings,
              "max_stop_strings", "entries")  # fmt: skip
-    # The sampler masks with these ids on every step: no more entries than the vocabulary.
-    allowed = params.allowed_token_ids
-    if allowed is not None and len(allowed) > vocab_size:
-        raise LimitError(
-            f"SamplingParams.allowed_token_ids has {len(allowed)} entries, more than the "
-            f"vocabulary ({vocab_size} tokens)",
-            "allowed_token_ids",
-        )
 
 
 def check_context_length(

@@ -62,6 +62,10 @@ class ScheduledChunk:
     def samples(self) -> bool:
         return self.sampling is not None
 
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprob_targets) > 0
+
 
 @dataclass
 class SchedulerOutput:

@@ -459,7 +459,8 @@ class ModelRunner:
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
         meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
-        sample_index = (np.cumsum(query_lens) - 1)[sampling]
+        ends = np.cumsum(query_lens)
+        sample_index = (ends - 1)[sampling]
         inputs = StepInputs(
             input_ids=torch.from_numpy(ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
@@ -468,7 +469,7 @@ class ModelRunner:
             fresh_blocks=torch.from_numpy(self._take_unwritten(table)).to(self.device),
             state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
         )
-        asked = prompt_rows_of(scheduled, np.cumsum(query_lens) - query_lens)
+        asked = prompt_rows_of(scheduled, ends - query_lens)
         if asked is not None:
             rows, targets, inputs.prompt_top = asked
             inputs.prompt_rows = torch.from_numpy(rows).to(self.device)

@@ -49,11 +49,11 @@ def prompt_rows_of(
     targets: list[Sequence[int]] = []
     top = 0
     for chunk, offset in zip(scheduled, offsets, strict=False):
-        if chunk.prompt_logprobs is None or not chunk.prompt_logprob_targets:
+        if not chunk.scores_prompt:
             continue
         rows.append(offset + np.arange(len(chunk.prompt_logprob_targets), dtype=np.int64))
         targets.append(chunk.prompt_logprob_targets)
-        top = max(top, chunk.prompt_logprobs)
+        top = max(top, chunk.prompt_logprobs or 0)
     if not rows:
         return None
     flat_targets = np.concatenate([np.asarray(t, dtype=np.int64) for t in targets])
@@ -97,7 +97,7 @@ def split_prompt_scores(
     parts = []
     row = 0
     for item, chunk in enumerate(scheduled):
-        if chunk.prompt_logprobs is None or not chunk.prompt_logprob_targets:
+        if not chunk.scores_prompt:
             continue
         count = len(chunk.prompt_logprob_targets)
         parts.append((item, scores.rows(row, row + count)))

@@ -41,11 +41,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_token_bitmask(logits, batch.grammar_rows, batch.token_bitmask)
     allowed = logits
     logits = _ban_tokens(allowed, batch.banned_token_ids)
-    # A row whose every allowed token is banned (min_tokens holding back the EOS a complete
-    # grammar needs or the only allowed id, a bad word's last token): what the grammar and
-    # allowed_token_ids permit wins over the bans.
-    emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
-    logits = torch.where(emptied, allowed, logits)
+    if logits is not allowed:
+        # A row whose every allowed token is banned (min_tokens holding back the EOS a
+        # complete grammar needs or the only allowed id, a bad word's last token): what the
+        # grammar and allowed_token_ids permit wins over the bans.
+        emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        logits = torch.where(emptied, allowed, logits)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
     token_ids = logits.argmax(dim=-1)
