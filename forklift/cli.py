@@ -14,6 +14,7 @@ from typing import Any
 from forklift.bench.cli import add_bench_parser
 from forklift.bench.kv_calc import add_kv_calc_parser
 from forklift.config import (
+    DECODE_BACKENDS,
     QUANTIZATION_METHODS,
     SERVE_DECODE_STEP_PREFILL_TOKENS,
     SERVE_PREFILL_PACE_STEPS,
@@ -34,6 +35,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=QUANTIZATION_METHODS,
         help="weight-only quantization (default auto: a GGUF file at its own precision on a CPU)",
+    )
+    group.add_argument(
+        "--decode-backend",
+        default="auto",
+        choices=DECODE_BACKENDS,
+        help="quantized decode kernels on a CPU: native C block kernels or torch's "
+        "(default auto: native where it builds)",
     )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-model-len", type=int, default=None)
@@ -88,6 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        decode_backend=args.decode_backend,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

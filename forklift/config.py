@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+DECODE_BACKENDS = ("auto", "native", "torch")
 
 # `forklift serve`'s decode_step_prefill_tokens unless told otherwise; chosen with
 # `forklift bench serve` at the seed's serving shape (docs/serving.md): the smallest bound
@@ -49,6 +50,10 @@ class EngineConfig:
     # directories dense; "none" dequantizes to dtype; "int8" / "int4" round any model's
     # weights at load. Quantized layers compute in bf16.
     quantization: str = "auto"
+    # Kernels of the quantized decode path on a CPU: "native" = forklift's C block kernels
+    # (integer dot products, built on first use for the CPU at hand); "torch" = PyTorch's
+    # int4/int8 kernels; "auto" = native where it builds, else torch (the log says why).
+    decode_backend: str = "auto"
     # "auto" = CUDA when available, else CPU.
     device: str = "auto"
     # Tokens per KV-cache block.
@@ -130,6 +135,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                 f"got {self.quantization!r}"
+            )
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ValueError(
+                f"decode_backend must be one of {', '.join(DECODE_BACKENDS)}; "
+                f"got {self.decode_backend!r}"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")

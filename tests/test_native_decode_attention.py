@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from forklift.cpu import CPU_KIND_ENV
-from forklift.model.layers import native_build
 from forklift.model.layers.decode_attention import DecodeAttention
-from forklift.model.layers.native_decode_attention import NativeDecodeAttention
+from forklift.native import build as native_build
+from forklift.native.decode_attention import NativeDecodeAttention
 
 
 @pytest.fixture(scope="module")

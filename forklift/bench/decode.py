@@ -27,9 +27,8 @@ from forklift.bench.environment import environment_variable
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
-from forklift.model.layers.native_build import DISABLE_ENV
-from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
 from forklift.model.model_config import ModelConfig
+from forklift.native.build import DISABLE_ENV
 from forklift.runner.memory import kv_bytes_per_token, state_bytes_per_sequence
 from forklift.sampling_params import SamplingParams
 
@@ -118,13 +117,13 @@ def weight_bytes_per_step(llm: LLM, batch: int) -> int:
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
-        if module.quantized is not None and batch <= QUANTIZED_MAX_ROWS:
+        if module.quantized is not None and batch <= module.quantized.max_rows:
             total += module.quantized.nbytes
         else:
             total += _dense_bytes(module.packed_weight if module.packed_weight is not None
                                   else module.weight)  # fmt: skip
     if model.lm_head is None:
-        if model.quantized_head is not None and batch <= QUANTIZED_MAX_ROWS:
+        if model.quantized_head is not None and batch <= model.quantized_head.max_rows:
             total += model.quantized_head.nbytes
         else:
             total += _dense_bytes(model.embed_tokens.weight)

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from forklift.bench.decode import decode_step_budget, prefill_steps
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
-from forklift.model.layers.native_decode_attention import PROFILER_NAME as NATIVE_ATTENTION
+from forklift.native.decode_attention import PROFILER_NAME as NATIVE_ATTENTION
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -133,6 +133,7 @@ class LLMEngine:
                 num_threads=cpu_threads_per_rank(config),
                 allow_cross_node=config.allow_cross_node_tensor_parallel,
                 quantization=self.quantization,
+                decode_backend=config.decode_backend,
             ),
         )
         self.runner = ModelRunner(
@@ -152,6 +153,7 @@ class LLMEngine:
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
             tp=self._tp_workers.group if self._tp_workers else None,
             quantization=quantization_plan(source, self.model_config, self.quantization),
+            decode_backend=config.decode_backend,
         )
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),

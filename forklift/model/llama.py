@@ -21,7 +21,7 @@ from forklift.model.layers.attention import AttentionMetadata, paged_attention, 
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.linear import Linear, pack_weight, packed_linear
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
-from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, PackedInt8, quantized_linear
+from forklift.model.layers.quantized import QuantizedWeight, quantized_linear
 from forklift.model.layers.rotary import RotaryEmbedding, apply_rotary
 from forklift.model.model_config import ModelConfig
 from forklift.model.tensor_parallel import TensorParallelShard
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32, only for the rows that sample."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.quantized_head is not None and hidden.shape[0] <= QUANTIZED_MAX_ROWS:
+        elif self.quantized_head is not None and hidden.shape[0] <= self.quantized_head.max_rows:
             logits = quantized_linear(hidden, self.quantized_head, None)
         else:
             weight = self.embed_tokens.weight
@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
 
     packed_tied_head: torch.Tensor | None = None
     # The tied head as int8 rows (set by model/quantize.py); the embedding lookup stays dense.
-    quantized_head: PackedInt8 | None = None
+    quantized_head: QuantizedWeight | None = None
 
     def pack_weights(self) -> None:
         """(Re)build the packed copies of every linear weight; call after weights change."""

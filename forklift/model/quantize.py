@@ -6,10 +6,16 @@
 - "int4" / "int8": round-to-nearest of the dense weights at load (int4 groups of 32 inputs,
   or int8 with a scale per row); Q4_0 / Q4_1 GGUF tensors still take their exact blocks.
 - "none": dense weights in the model's dtype (the HF-parity path).
-A quantized layer keeps its dense weight too: prefill chunks run the dense GEMM. The tied LM
-head stays dense where its weight is oneDNN-packed bf16 (faster than int8 rows at every batch
-size, measured: 1.8 vs 2.2 ms at one row, 3.8 vs 12.6 ms at 8); elsewhere it reads int8 rows,
-a quarter of fp32's bytes (the embedding lookup stays dense).
+A quantized layer keeps its dense weight too: prefill chunks run the dense GEMM.
+
+Two kernel families hold the quantized copies. With the native block kernels
+(`forklift/native/quant_matmul.py`, the "native" decode backend) weights keep GGUF's 32-value
+blocks with fp16 scales, and the LM head is always int8 blocks (0.9-1.1 ms at one row for
+the default model's tied head, against 1.8 for oneDNN-packed bf16 and 2.7 for ATen's int8
+rows). With PyTorch's kernels (the "torch" backend) int4 is ATen's packed layout and int8
+has a scale per row; the tied head then stays dense where its weight is oneDNN-packed bf16
+(faster than ATen's int8 rows: 1.8 vs 2.2 ms at one row, 3.8 vs 12.6 ms at 8), elsewhere it
+reads int8 rows. The embedding lookup always stays dense.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from forklift.model.layers.quantized import (
 from forklift.model.llama import LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
 from forklift.model.weight_slots import expected_hf_names, weight_slot
+from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
 
 logger = logging.getLogger("forklift")
 
@@ -90,12 +97,14 @@ class QuantizedTensor:
 @dataclass
 class QuantizationReport:
     method: str
+    kernels: str = "torch"  # "native" block kernels or PyTorch's
     tensors: list[QuantizedTensor] = field(default_factory=list)
     dense_bytes: int = 0  # the dense copies quantized layers keep for prefill
 
     def summary(self) -> str:
         if not self.tensors:
             return f"quantization {self.method}: all weights dense"
+        kernels = "native block kernels" if self.kernels == "native" else "PyTorch kernels"
         kinds: dict[tuple[str, str], list[QuantizedTensor]] = {}
         for tensor in self.tensors:
             kinds.setdefault((tensor.form, tensor.source), []).append(tensor)
@@ -104,14 +113,17 @@ class QuantizationReport:
             for (form, source), group in kinds.items()
         ]
         return (
-            f"quantization {self.method}: " + "; ".join(parts)
+            f"quantization {self.method} ({kernels}): " + "; ".join(parts)
             + f"; dense copies for prefill {_mib(self.dense_bytes)}"
         )  # fmt: skip
 
 
-def quantize_model(model: LlamaForCausalLM, plan: QuantizationPlan) -> QuantizationReport:
-    """Give every linear layer (and the tied head) the quantized copy the plan asks for."""
-    report = QuantizationReport(plan.method)
+def quantize_model(
+    model: LlamaForCausalLM, plan: QuantizationPlan, kernel: QuantMatmulKernel | None = None
+) -> QuantizationReport:
+    """Give every linear layer (and the tied head) the quantized copy the plan asks for: in
+    the native kernel's blocks where `kernel` is given, else in PyTorch's layouts."""
+    report = QuantizationReport(plan.method, "native" if kernel is not None else "torch")
     if not plan.enabled:
         return report
     sources = _sources_of(model.config)
@@ -121,15 +133,16 @@ def quantize_model(model: LlamaForCausalLM, plan: QuantizationPlan) -> Quantizat
             continue
         param = f"{name}.weight"
         form = _form_for(plan, sources[param])
-        if form is None or (param == "lm_head.weight" and _is_bf16(module.packed_weight)):
+        dense_head = kernel is None and _is_bf16(module.packed_weight)
+        if form is None or (param == "lm_head.weight" and dense_head):
             continue
-        weight, source = _quantize_weight(module.weight, form, exact.get(param))
+        weight, source = _quantize_weight(module.weight, form, exact.get(param), kernel)
         module.quantized = weight
         report.tensors.append(QuantizedTensor(param, form, source, weight.nbytes))
         logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
         report.dense_bytes += module.weight.numel() * module.weight.element_size()
-    if model.lm_head is None and not _is_bf16(model.packed_tied_head):
-        model.quantized_head = PackedInt8.quantize(model.embed_tokens.weight)
+    if model.lm_head is None and (kernel is not None or not _is_bf16(model.packed_tied_head)):
+        model.quantized_head = _int8(model.embed_tokens.weight, kernel)
         report.tensors.append(
             QuantizedTensor("lm_head (tied)", "int8", "round-to-nearest",
                             model.quantized_head.nbytes)
@@ -137,26 +150,36 @@ def quantize_model(model: LlamaForCausalLM, plan: QuantizationPlan) -> Quantizat
     return report
 
 
-def requantize(model: LlamaForCausalLM, changed_params: set[str]) -> None:
+def requantize(
+    model: LlamaForCausalLM, changed_params: set[str], kernel: QuantMatmulKernel | None = None
+) -> None:
     """After a weight update: re-quantize (round-to-nearest) the layers whose weights changed,
-    in the form they had, so no stale quantized copy outlives its weight."""
+    in the form and kernel family they had, so no stale quantized copy outlives its weight."""
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized is not None:
             if f"{name}.weight" in changed_params:
-                form = "int4" if isinstance(module.quantized, PackedInt4) else "int8"
-                module.quantized, _ = _quantize_weight(module.weight, form, None)
+                form = module.quantized.form
+                module.quantized, _ = _quantize_weight(module.weight, form, None, kernel)
     if model.quantized_head is not None and "embed_tokens.weight" in changed_params:
-        model.quantized_head = PackedInt8.quantize(model.embed_tokens.weight)
+        model.quantized_head = _int8(model.embed_tokens.weight, kernel)
 
 
 def _quantize_weight(
-    weight: torch.Tensor, form: str, exact: Int4Groups | None
+    weight: torch.Tensor, form: str, exact: Int4Groups | None, kernel: QuantMatmulKernel | None
 ) -> tuple[QuantizedWeight, str]:
     if form == "int8":
-        return PackedInt8.quantize(weight), "round-to-nearest"
-    if exact is not None:
-        return PackedInt4.pack(exact), "gguf blocks"
-    return PackedInt4.pack(int4_groups_from_dense(weight)), "round-to-nearest"
+        return _int8(weight, kernel), "round-to-nearest"
+    groups = exact if exact is not None else int4_groups_from_dense(weight)
+    source = "gguf blocks" if exact is not None else "round-to-nearest"
+    if kernel is not None:
+        return BlockInt4.from_groups(groups, kernel), source
+    return PackedInt4.pack(groups), source
+
+
+def _int8(weight: torch.Tensor, kernel: QuantMatmulKernel | None) -> QuantizedWeight:
+    if kernel is not None:
+        return BlockInt8.from_dense(weight, kernel)
+    return PackedInt8.quantize(weight)
 
 
 def _form_for(plan: QuantizationPlan, hf_names: list[str]) -> str | None:

@@ -14,7 +14,6 @@ from forklift.core.scheduler_output import ScheduledChunk
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
-from forklift.model.layers.native_decode_attention import NativeDecodeAttention
 from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
@@ -29,6 +28,9 @@ from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
+from forklift.native.build import DISABLE_ENV
+from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
@@ -97,6 +99,7 @@ class ModelRunner:
         capture_sizes: tuple[int, ...] = (),
         tp: TensorParallelGroup | None = None,
         quantization: QuantizationPlan = NO_QUANTIZATION,
+        decode_backend: str = "auto",
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
@@ -110,6 +113,7 @@ class ModelRunner:
         self.weights = weights
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
+        self.quant_kernel = self._load_quant_kernel(decode_backend)
         self.tp = tp
         self.mirror = RankMirror(tp)
         self.shard = (
@@ -177,8 +181,26 @@ class ModelRunner:
         model.set_tensor_parallel_group(self.tp)
         native = NativeDecodeAttention.load() if self.device.type == "cpu" else None
         model.use_decode_attention(DecodeAttention(self.device, native))
-        self.quantization_report = quantize_model(model, self.quantization)
+        self.quantization_report = quantize_model(model, self.quantization, self.quant_kernel)
         return model
+
+    def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
+        """The native block kernels where the backend and this machine allow them."""
+        if decode_backend == "torch" or not self.quantization.enabled:
+            return None
+        if self.device.type != "cpu":
+            if decode_backend == "native":
+                raise ValueError("decode_backend='native' runs on a CPU only; use 'auto'")
+            return None
+        kernel = QuantMatmulKernel.load()
+        if kernel is None:
+            if decode_backend == "native":
+                raise ValueError(
+                    "decode_backend='native' needs the native kernels, which did not build "
+                    f"here (no C compiler, or {DISABLE_ENV}=0); use 'auto' or 'torch'"
+                )
+            logger.info("native block kernels unavailable: quantized layers use PyTorch's")
+        return kernel
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks: their serving loops end."""
@@ -334,7 +356,7 @@ class ModelRunner:
         applied = self._weight_updater.commit()
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()
-        requantize(self.model, changed)
+        requantize(self.model, changed, self.quant_kernel)
         return applied
 
     @property

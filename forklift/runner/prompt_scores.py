@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from forklift.core.scheduler_output import ScheduledChunk
-from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS
+from forklift.model.layers.quantized import ALWAYS_DENSE_ROWS
 
 # Rows of logits alive at once while scoring (x vocab x 4 bytes: 48 MiB at 49k tokens).
 SCORE_SLICE_ROWS = 256
@@ -70,10 +70,10 @@ def score_prompt_rows(
     for start in range(0, hidden.shape[0], SCORE_SLICE_ROWS):
         rows = hidden[start : start + SCORE_SLICE_ROWS]
         count = rows.shape[0]
-        if count <= QUANTIZED_MAX_ROWS:
+        if count < ALWAYS_DENSE_ROWS:
             # A few rows would take the quantized head's path: pad them onto the dense one,
             # so a token's score does not depend on how the prompt was chunked or batched.
-            rows = torch.cat([rows, rows.new_zeros(QUANTIZED_MAX_ROWS + 1 - count, rows.shape[1])])
+            rows = torch.cat([rows, rows.new_zeros(ALWAYS_DENSE_ROWS - count, rows.shape[1])])
         logits = compute_logits(rows)[:count]
         logprobs = torch.log_softmax(logits, dim=-1)
         end = start + count

@@ -44,6 +44,7 @@ class RankSpec:
     num_threads: int | None
     allow_cross_node: bool
     quantization: str = "none"  # the method rank 0 resolved
+    decode_backend: str = "auto"
 
 
 @dataclass
@@ -179,5 +180,6 @@ def _serve_rank(rank: int, world: int, store: dist.Store, spec: RankSpec) -> Non
         sliding_window=spec.sliding_window,
         tp=group,
         quantization=quantization_plan(source, model_config, spec.quantization),
+        decode_backend=spec.decode_backend,
     )
     follow_rank0(runner, group)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklift.cpu import cpu_has_fast_bf16
-from forklift.model.layers.quantized import QUANTIZED_MAX_ROWS, QuantizedWeight, quantized_linear
+from forklift.model.layers.quantized import QuantizedWeight, quantized_linear
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -81,6 +81,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized
-        if quantized is not None and x.shape[0] <= QUANTIZED_MAX_ROWS and x.dim() == 2:
+        if quantized is not None and x.shape[0] <= quantized.max_rows and x.dim() == 2:
             return quantized_linear(x, quantized, self.bias)
         return packed_linear(x, self.weight, self.packed_weight, self.bias)

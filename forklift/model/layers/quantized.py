@@ -16,6 +16,7 @@ quantized copy only for steps of at most `QUANTIZED_MAX_ROWS` rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,27 @@ GROUP_SIZE = 32
 # 6.0 / 11.1 / 14.5 / 30.5 ms at 1 / 4 / 8 / 16 rows against 14.0 / 13.6 / 15.1 / 17.6 ms for
 # oneDNN-packed bf16 (AVX512-BF16 CPU), so it pays up to 8 rows.
 QUANTIZED_MAX_ROWS = 8
+# The native block kernels (forklift/native/quant_matmul.py) read each block once for all
+# rows, so they pay further: up to this many rows.
+BLOCK_MAX_ROWS = 16
+# Steps of at least this many rows run every layer on its dense weight, whatever kernel
+# holds its quantized copy.
+ALWAYS_DENSE_ROWS = max(QUANTIZED_MAX_ROWS, BLOCK_MAX_ROWS) + 1
 _INT4_ZERO_POINT = 8
+
+
+class QuantizedWeight(Protocol):
+    """A quantized copy of a [N, K] weight that multiplies steps of at most `max_rows`."""
+
+    form: str  # "int4" or "int8"
+    max_rows: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T in x's dtype."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,8 @@ class PackedInt4:
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor  # [K / 32, N, 2] bfloat16
     out_features: int
+    form = "int4"
+    max_rows = QUANTIZED_MAX_ROWS
 
     @classmethod
     def pack(cls, groups: Int4Groups) -> PackedInt4:
@@ -86,10 +109,11 @@ class PackedInt4:
         scales_and_zeros = torch.stack([groups.scales.T, groups.zeros.T], dim=-1)
         return cls(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), groups.shape[0])
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _bf16(x), self.packed, GROUP_SIZE, self.scales_and_zeros
         )
+        return out.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +126,8 @@ class PackedInt8:
 
     weight: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N] bfloat16
+    form = "int8"
+    max_rows = QUANTIZED_MAX_ROWS
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> PackedInt8:
@@ -110,22 +136,24 @@ class PackedInt8:
         codes = (dense / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return cls(codes.contiguous(), scales.to(torch.bfloat16))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(_bf16(x), self.weight, self.scales).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
         return _bytes(self.weight, self.scales)
 
 
-QuantizedWeight = PackedInt4 | PackedInt8
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """ATen's quantized kernels are vectorised for bf16 activations only."""
+    return x.to(torch.bfloat16).contiguous()
 
 
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ W.T (+ bias) through a quantized kernel, computed in bf16, returned in x's dtype."""
-    out = weight.matmul(x.to(torch.bfloat16).contiguous()).to(x.dtype)
+    """x @ W.T (+ bias) through a quantized kernel, returned in x's dtype."""
+    out = weight.linear(x)
     return out if bias is None else out + bias
 
 

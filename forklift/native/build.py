@@ -1,4 +1,4 @@
-"""Build and load this package's small C kernels (layers/native/*.c) with the system's C
+"""Build and load this package's C kernels (native/csrc/*.c) with the system's C
 compiler, once per machine.
 
 A kernel is compiled for the CPU it runs on (`-march=native`) and linked against the
@@ -24,7 +24,7 @@ from forklift.cpu import native_arch_flags
 
 logger = logging.getLogger("forklift")
 
-NATIVE_SOURCE_DIR = Path(__file__).parent / "native"
+NATIVE_SOURCE_DIR = Path(__file__).parent / "csrc"
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 # FORKLIFT_NATIVE_KERNELS=0 keeps every layer on its PyTorch kernels.
 DISABLE_ENV = "FORKLIFT_NATIVE_KERNELS"
@@ -64,29 +64,41 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout
 
 
-def compile_flags() -> tuple[str, ...]:
-    """The fixed flags plus the target: this CPU, or the kind FORKLIFT_CPU_KIND simulates."""
-    return (*COMPILE_FLAGS, *native_arch_flags())
+def compile_flags(arch: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The fixed flags plus the target: `arch` where given (tests build each instruction
+    set's path), else this CPU or the kind FORKLIFT_CPU_KIND simulates."""
+    return (*COMPILE_FLAGS, *(native_arch_flags() if arch is None else arch))
 
 
-def library_path(name: str, compiler: str) -> Path:
-    source = (NATIVE_SOURCE_DIR / f"{name}.c").read_bytes()
+def _sources(name: str) -> bytes:
+    """The kernel's source and every header beside it (a kernel may include them)."""
+    parts = [(NATIVE_SOURCE_DIR / f"{name}.c").read_bytes()]
+    parts += [h.read_bytes() for h in sorted(NATIVE_SOURCE_DIR.glob("*.h"))]
+    return b"\0".join(parts)
+
+
+def library_path(name: str, compiler: str, arch: tuple[str, ...] | None = None) -> Path:
+    source = _sources(name)
     digest = hashlib.sha256()
-    for part in (source, " ".join(compile_flags()).encode(), _compiler_version(compiler).encode(),
-                 _cpu_identity().encode(), platform.machine().encode()):  # fmt: skip
+    flags = " ".join(compile_flags(arch)).encode()
+    for part in (source, flags, _compiler_version(compiler).encode(), _cpu_identity().encode(),
+                 platform.machine().encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
     return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
-def build_library(name: str, compiler: str, target: Path) -> None:
-    """Compile layers/native/<name>.c into `target`; the file appears whole or not at all
+def build_library(
+    name: str, compiler: str, target: Path, arch: tuple[str, ...] | None = None
+) -> None:
+    """Compile native/csrc/<name>.c into `target`; the file appears whole or not at all
     (several processes of one server may build at once)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        command = [compiler, *compile_flags(), "-o", partial, str(NATIVE_SOURCE_DIR / f"{name}.c")]
+        source = str(NATIVE_SOURCE_DIR / f"{name}.c")
+        command = [compiler, *compile_flags(arch), "-o", partial, source, "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip() or f"{compiler} exited {done.returncode}")
@@ -96,7 +108,7 @@ def build_library(name: str, compiler: str, target: Path) -> None:
             os.unlink(partial)
 
 
-def load_native_library(name: str) -> ctypes.CDLL | None:
+def load_native_library(name: str, arch: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
     """The compiled kernel library `name`, building it on first use; None (logged once per
     call) where native kernels are off, no compiler is found or the build fails."""
     if not native_kernels_enabled():
@@ -106,9 +118,9 @@ def load_native_library(name: str) -> ctypes.CDLL | None:
         logger.info("no C compiler found: native %s kernel off", name)
         return None
     try:
-        target = library_path(name, compiler)
+        target = library_path(name, compiler, arch)
         if not target.exists():
-            build_library(name, compiler, target)
+            build_library(name, compiler, target, arch)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("could not build the native %s kernel (%s); using PyTorch's", name, exc)

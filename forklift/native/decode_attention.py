@@ -1,4 +1,4 @@
-"""Decode attention through the C kernel in layers/native/decode_attention.c.
+"""Decode attention through the C kernel in native/csrc/decode_attention.c.
 
 The kernel reads keys and values straight from the paged cache through the block table,
 as the compiled in-place kernel does, but as one call into plain C: no guard checks and no
@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from forklift.model.layers.native_build import load_native_library
+from forklift.native.build import load_native_library
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
 PROFILER_NAME = "forklift::native_decode_attention"

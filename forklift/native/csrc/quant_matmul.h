@@ -1,0 +1,264 @@
+/* Quantized matmuls for few rows (decode): out[r, n] = sum_k x[r, k] * w[n, k].
+ *
+ * Weights stay in 32-value blocks with fp16 scales, as GGUF stores them:
+ * - q4: w = code * d + m, codes 0..15 (GGUF's Q4_0 / Q4_1);
+ * - q8: w = code * d, codes -127..127 (GGUF's Q8_0);
+ * but interleaved by eight output rows: for rows 8g..8g+7 and block b, the codes form
+ * vectors whose 32-bit lane i holds four consecutive codes of row 8g + i. One integer dot
+ * product instruction then advances eight output rows by four inputs against one broadcast
+ * group of four activations, and a block ends as one vector of eight row sums: no
+ * horizontal reductions. Layout per (g, b), row-group major:
+ * - q4 codes, 128 bytes: chunk c in 0..3 is 32 bytes, byte 4i + t = code(8g + i, 4c + t)
+ *   in the low nibble and code(8g + i, 16 + 4c + t) in the high one;
+ * - q8 codes, 256 bytes: chunk c in 0..7, byte 4i + t = code(8g + i, 4c + t);
+ * - d (and q4's m): eight fp16, one per row.
+ * N is padded to a multiple of eight rows (zero scales) and only N outputs are written.
+ * Each activation row is quantized once per call to int8 per 32 values (x = q * xd). The
+ * dot product is AVX-512 VNNI `vpdpbusd` where the compiler targets it, AVX2 `vpmaddubsw`
+ * + `vpmaddwd` where it targets that, plain C elsewhere. Each weight block is read once
+ * from memory for all activation rows.
+ *
+ * The kernel is included by the libraries that use it (matmul alone, the decode step), so
+ * everything here is static.
+ */
+#ifndef FORKLIFT_QUANT_MATMUL_H
+#define FORKLIFT_QUANT_MATMUL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+
+static inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: renormalise */
+        exponent = 113u;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    union { uint32_t u; float f; } v;
+    v.u = bits;
+    return v.f;
+#endif
+}
+
+static inline float bf16_bits_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)bits << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16_bits(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(v.u >> 16);
+}
+
+/* One activation row as int8 blocks: q[k], the blocks' scales xd[k / 32] and, for q4
+ * weights (whose codes are offset), xs[b] = xd[b] * sum(q of block b). */
+typedef struct {
+    int8_t *q;
+    float *xd;
+    float *xs;
+} QuantizedRow;
+
+/* Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23 leaves
+ * the float unit's own rounding (lrintf is a library call per value; this vectorises).
+ * Correct only without -ffast-math, which the build never passes. */
+static inline float round_to_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
+
+/* No fused multiply-add in here: rounding x * inverse before adding the rounding constant
+ * is what keeps the codes those of a plain round(x / d) (clang fuses only within one
+ * expression, GCC across statements unless told). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const float scaled = xb[i] * inverse;
+            const int32_t q = (int32_t)round_to_even(scaled);
+            row.q[b * QK + i] = (int8_t)q;
+            sum += q;
+        }
+        row.xd[b] = d;
+        row.xs[b] = d * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+/* acc + the int32 sums of u[4i..4i+3] * s[4i..4i+3] per lane i (unsigned by signed). */
+static inline __m256i dot_accumulate(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+/* Eight output rows (one row group) against `rows` activation rows, at most 4 at a time
+ * so the sums stay in registers; sums[r * 8 + i] receives row group lane i. */
+static inline __attribute__((always_inline)) void group_tile(
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t blocks,
+    const QuantizedRow *x, int rows, float *sums, int is_q4) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+#if defined(__AVX2__)
+    /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
+    __m256 acc[4], offsets[4];
+    for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * block_bytes;
+        __m256i w[8], signs[8];
+        if (is_q4) {
+            const __m256i low = _mm256_set1_epi8(0x0f);
+            for (int c = 0; c < 4; c++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+                w[c] = _mm256_and_si256(packed, low);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            }
+        } else { /* signed by signed as |w| by (x with w's sign) */
+            for (int c = 0; c < 8; c++) {
+                signs[c] = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+                w[c] = _mm256_sign_epi8(signs[c], signs[c]);
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+        const __m256 wm = is_q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)))
+                                : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+            __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += 2) {
+                __m256i x0 = _mm256_set1_epi32(xq[c]), x1 = _mm256_set1_epi32(xq[c + 1]);
+                if (!is_q4) {
+                    x0 = _mm256_sign_epi8(x0, signs[c]);
+                    x1 = _mm256_sign_epi8(x1, signs[c + 1]);
+                }
+                even = dot_accumulate(even, w[c], x0);
+                odd = dot_accumulate(odd, w[c + 1], x1);
+            }
+            const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+            acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
+            if (is_q4) offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
+#else
+    for (int i = 0; i < 8 * rows; i++) sums[i] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * block_bytes;
+        for (int i = 0; i < 8; i++) {
+            const float wd = fp16_to_float(d[8 * b + i]);
+            const float wm = is_q4 ? fp16_to_float(m[8 * b + i]) : 0.0f;
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = x[r].q + b * QK;
+                int32_t dot = 0;
+                for (int c = 0; c < 8; c++)
+                    for (int t = 0; t < 4; t++) {
+                        const int code = is_q4 ? (c < 4 ? block[32 * c + 4 * i + t] & 0x0f
+                                                        : block[32 * (c - 4) + 4 * i + t] >> 4)
+                                               : (int8_t)block[32 * c + 4 * i + t];
+                        dot += code * xq[4 * c + t];
+                    }
+                sums[8 * r + i] += wd * x[r].xd[b] * (float)dot + wm * x[r].xs[b];
+            }
+        }
+    }
+#endif
+}
+
+/* Weights of one matmul: q4 when `m` is set, else q8. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *d;
+    const uint16_t *m; /* q4 only */
+    int64_t n, k;      /* n: the real output rows (the layout holds ceil(n / 8) groups) */
+} QuantWeight;
+
+/* out[r, 8g..8g+7] for one row group against every activation row. */
+static inline void quant_row_group(const QuantWeight *w, int64_t g, const QuantizedRow *x,
+                                   int64_t rows, float *out, int64_t out_stride) {
+    const int64_t blocks = w->k / QK;
+    const int is_q4 = w->m != NULL;
+    const uint8_t *codes = w->codes + g * blocks * (is_q4 ? 128 : 256);
+    const uint16_t *d = w->d + g * blocks * 8;
+    const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
+    const int64_t first = 8 * g, width = w->n - first < 8 ? w->n - first : 8;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int tile = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        float sums[32];
+        /* Constants for the tile size and block type: unrolled loops, no branches. */
+#define GROUP_TILE(is_q4)                                                             \
+        switch (tile) {                                                               \
+        case 1: group_tile(codes, d, m, blocks, x + r0, 1, sums, is_q4); break;       \
+        case 2: group_tile(codes, d, m, blocks, x + r0, 2, sums, is_q4); break;       \
+        case 3: group_tile(codes, d, m, blocks, x + r0, 3, sums, is_q4); break;       \
+        default: group_tile(codes, d, m, blocks, x + r0, 4, sums, is_q4); break;      \
+        }
+        if (is_q4) {
+            GROUP_TILE(1)
+        } else {
+            GROUP_TILE(0)
+        }
+#undef GROUP_TILE
+        for (int t = 0; t < tile; t++)
+            memcpy(out + (r0 + t) * out_stride + first, sums + 8 * t, sizeof(float) * (size_t)width);
+    }
+}
+
+/* Scratch for `rows` quantized activation rows of k values; NULL when out of memory. */
+static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow *views) {
+    const int64_t blocks = k / QK;
+    const size_t bytes = (size_t)(rows * k) + sizeof(float) * (size_t)(2 * rows * blocks);
+    float *scales = malloc(bytes);
+    if (scales == NULL) return NULL;
+    int8_t *codes = (int8_t *)(scales + 2 * rows * blocks);
+    for (int64_t r = 0; r < rows; r++)
+        views[r] = (QuantizedRow){codes + r * k, scales + r * blocks,
+                                  scales + (rows + r) * blocks};
+    return (int8_t *)scales;
+}
+
+/* Row groups in [begin, end) against every quantized activation row; callers split the
+ * groups among threads. */
+static inline void quant_matmul_range(const QuantWeight *w, const QuantizedRow *x, int64_t rows,
+                                      float *out, int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) quant_row_group(w, g, x, rows, out, w->n);
+}
+
+#endif

@@ -1,0 +1,195 @@
+"""Weights in 32-value blocks multiplied by the native kernel in csrc/quant_matmul.h.
+
+`BlockInt4` (GGUF's Q4_0 / Q4_1 form: w = code * d + m) and `BlockInt8` (Q8_0's form:
+w = code * d) keep fp16 scales per block, as the file does. The kernel quantizes each
+activation row to int8 once per call and reads each weight block once for all rows, so a
+step of 16 rows costs little more than a step of one; `max_rows` says up to how many rows
+a layer uses it (more rows run the dense GEMM, which wins on prefill chunks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from forklift.model.layers.quantized import (
+    BLOCK_MAX_ROWS,
+    GROUP_SIZE,
+    Int4Groups,
+    int4_groups_from_dense,
+)
+from forklift.native.build import load_native_library
+
+PROFILER_NAME = "forklift::native_quant_matmul"
+_DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
+
+
+class QuantMatmulKernel:
+    """The loaded kernel library; construct through `load()`."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        function = library.forklift_quant_matmul
+        function.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ]  # fmt: skip
+        function.restype = ctypes.c_int
+        self._function = function
+
+    @classmethod
+    def load(cls, arch: tuple[str, ...] | None = None) -> QuantMatmulKernel | None:
+        library = load_native_library("quant_matmul", arch)
+        return None if library is None else cls(library)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        out_features: int,
+    ) -> torch.Tensor:
+        if x.dtype not in _DTYPE_FLAGS:  # fp16 and others compute in fp32
+            return self(x.float(), codes, scales, mins, out_features).to(x.dtype)
+        x = x.contiguous()
+        rows, k = x.shape
+        out = x.new_empty(rows, out_features)
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
+            failed = self._function(
+                x.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(),
+                None if mins is None else mins.data_ptr(), out_features, out.data_ptr(),
+                _DTYPE_FLAGS[x.dtype], torch.get_num_threads(),
+            )  # fmt: skip
+        if failed:
+            raise MemoryError("the quantized matmul could not allocate its scratch buffers")
+        return out
+
+
+def _check_input(x: torch.Tensor, in_features: int) -> None:
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"expected input [rows, {in_features}], got {tuple(x.shape)}")
+
+
+ROW_GROUP = 8  # output rows interleaved in the kernel's layout
+
+
+def interleave_rows(per_input: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[N, K] values (codes, or one scale per block when chunk is 1) in the kernel's row
+    group order: [ceil(N / 8), K / (chunk * C), C, 8, chunk] with C chunks per block, rows
+    past N zero. For codes chunk is 4 (four inputs per 32-bit lane); for scales 1."""
+    n, k = per_input.shape
+    groups = -(-n // ROW_GROUP)
+    padded = per_input.new_zeros(groups * ROW_GROUP, k)
+    padded[:n] = per_input
+    per_block = GROUP_SIZE // chunk if chunk > 1 else 1
+    view = padded.view(groups, ROW_GROUP, k // (chunk * per_block), per_block, chunk)
+    return view.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def deinterleave_rows(interleaved: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `interleave_rows`: [N, K] again."""
+    groups, blocks, per_block, _, chunk = interleaved.shape
+    rows = interleaved.permute(0, 3, 1, 2, 4).reshape(groups * ROW_GROUP, -1)
+    return rows[:n]
+
+
+@dataclass(frozen=True)
+class BlockInt4:
+    """4-bit codes and fp16 d and m per block of 32 inputs, in the kernel's interleaved
+    layout (csrc/quant_matmul.h): w = code * d + m."""
+
+    codes: torch.Tensor  # [N / 8, K / 32, 4, 8, 4] uint8, two codes per byte
+    scales: torch.Tensor  # [N / 8, K / 32, 8] float16: d
+    mins: torch.Tensor  # [N / 8, K / 32, 8] float16: m
+    shape: tuple[int, int]
+    kernel: QuantMatmulKernel
+    form = "int4"
+    max_rows = BLOCK_MAX_ROWS
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups, kernel: QuantMatmulKernel) -> BlockInt4:
+        n, k = groups.shape
+        codes = interleave_rows(groups.codes, 4)  # [G, B, 8 chunks, 8, 4]
+        packed = codes[:, :, :4] | (codes[:, :, 4:] << 4)
+        mins = groups.zeros - 8 * groups.scales  # Int4Groups centres codes on 8
+        return cls(
+            packed.contiguous(),
+            interleave_rows(groups.scales.to(torch.float16), 1).flatten(2),
+            interleave_rows(mins.to(torch.float16), 1).flatten(2),
+            (n, k),
+            kernel,
+        )
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, kernel: QuantMatmulKernel) -> BlockInt4:
+        return cls.from_groups(int4_groups_from_dense(weight), kernel)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(x, self.shape[1])
+        return self.kernel(x, self.codes, self.scales, self.mins, self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        codes = torch.cat([self.codes & 0x0F, self.codes >> 4], dim=2)
+        codes = deinterleave_rows(codes, n).float()
+        scales = deinterleave_rows(self.scales[..., None, :, None], n).float()
+        mins = deinterleave_rows(self.mins[..., None, :, None], n).float()
+        blocks = codes.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        return (blocks * scales[..., None] + mins[..., None]).view(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.codes, self.scales, self.mins)
+
+
+@dataclass(frozen=True)
+class BlockInt8:
+    """8-bit codes with an fp16 scale per block of 32 inputs (symmetric round-to-nearest,
+    GGUF's Q8_0), in the kernel's interleaved layout."""
+
+    codes: torch.Tensor  # [N / 8, K / 32, 8, 8, 4] int8
+    scales: torch.Tensor  # [N / 8, K / 32, 8] float16
+    shape: tuple[int, int]
+    kernel: QuantMatmulKernel
+    form = "int8"
+    max_rows = BLOCK_MAX_ROWS
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, kernel: QuantMatmulKernel) -> BlockInt8:
+        n, k = weight.shape
+        if k % GROUP_SIZE:
+            raise ValueError(f"int8 blocks need input sizes divisible by {GROUP_SIZE}, got {k}")
+        blocks = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+        # The fp16 scale is what the kernel multiplies by: round with it, not the fp32 one.
+        scales = (blocks.abs().amax(dim=-1) / 127).to(torch.float16)
+        wide = scales.float()
+        safe = torch.where(wide > 0, wide, torch.ones_like(wide))
+        codes = (blocks / safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(
+            interleave_rows(codes.view(n, k), 4),
+            interleave_rows(scales, 1).flatten(2),
+            (n, k),
+            kernel,
+        )
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(x, self.shape[1])
+        return self.kernel(x, self.codes, self.scales, None, self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        codes = deinterleave_rows(self.codes, n).float()
+        scales = deinterleave_rows(self.scales[..., None, :, None], n).float()
+        return (codes.view(n, k // GROUP_SIZE, GROUP_SIZE) * scales[..., None]).view(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.codes, self.scales)
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,114 @@
+"""The native block kernels (forklift/native/csrc/quant_matmul.h): for every instruction set
+this machine runs (its own, AVX2, and plain C) and both block types, the product equals a
+float reference that quantizes the activations as the kernel does, for odd shapes and 1-16
+rows, in fp32 and bf16; the interleaved layout holds exactly the weights it was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forklift.cpu import cpu_flags
+from forklift.model.layers.quantized import Int4Groups, int4_groups_from_dense
+from forklift.native import build as native_build
+from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+
+# The instruction sets to build for: the host's own (VNNI where it has it), AVX2, plain C.
+TARGETS = {
+    "native": None,
+    "avx2": ("-march=x86-64-v3",),
+    "scalar": ("-march=x86-64", "-mno-sse4.2"),
+}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def kernel(request) -> QuantMatmulKernel:
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    if request.param == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    loaded = QuantMatmulKernel.load(TARGETS[request.param])
+    assert loaded is not None, "a C compiler is here, yet the kernel did not build or load"
+    return loaded
+
+
+def _activation_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 codes per 32 values with scale max|x| / 127."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, k // 32, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).view(rows, k)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (_activation_quantized(x).double() @ weight.double().T).float()
+
+
+SHAPES = [(8, 32), (13, 64), (96, 96), (200, 576), (33, 1536)]
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("form", ["int4", "int8"])
+def test_block_matmul_equals_the_reference(kernel, n, k, form):
+    torch.manual_seed(n * k)
+    weight = torch.randn(n, k)
+    blocks = (
+        BlockInt4.from_dense(weight, kernel)
+        if form == "int4"
+        else BlockInt8.from_dense(weight, kernel)
+    )
+    exact = blocks.dequantize()
+    assert ((exact - weight).norm() / weight.norm()).item() < (0.1 if form == "int4" else 0.01)
+    for rows in (1, 2, 3, 4, 5, 8, 16):
+        x = torch.randn(rows, k)
+        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+        want = _reference(x, exact)
+        got = blocks.linear(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+        got_bf16 = blocks.linear(x.bfloat16())
+        assert got_bf16.dtype == torch.bfloat16
+        want_bf16 = _reference(x.bfloat16().float(), exact)
+        torch.testing.assert_close(got_bf16.float(), want_bf16, rtol=1e-2, atol=1e-2)
+
+
+def test_int4_blocks_hold_the_groups_exactly(kernel):
+    """GGUF-like groups (fp16-representable d and m) survive the interleaved layout bit for
+    bit, rows past a multiple of eight included."""
+    torch.manual_seed(1)
+    n, k = 21, 128
+    scales = torch.rand(n, k // 32).to(torch.float16).float()
+    mins = -torch.rand(n, k // 32).to(torch.float16).float()
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    groups = Int4Groups(codes, scales, mins + 8 * scales)
+    blocks = BlockInt4.from_groups(groups, kernel)
+    assert torch.equal(blocks.dequantize(), groups.dequantize())
+    assert blocks.nbytes == 3 * 8 * (k // 32) * (16 + 2 + 2)  # three row groups of eight
+
+
+def test_fp16_activations_compute_in_fp32(kernel):
+    torch.manual_seed(2)
+    blocks = BlockInt8.from_dense(torch.randn(16, 64), kernel)
+    x = torch.randn(3, 64)
+    got = blocks.linear(x.half())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), blocks.linear(x.half().float()), rtol=1e-3, atol=1e-3)
+
+
+def test_bad_shapes_are_refused(kernel):
+    blocks = BlockInt4.from_dense(torch.randn(8, 64), kernel)
+    with pytest.raises(ValueError, match="expected input"):
+        blocks.linear(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        BlockInt8.from_dense(torch.randn(8, 48), kernel)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int4_groups_from_dense(torch.randn(8, 48))
+
+
+def test_each_target_builds_its_own_library():
+    compiler = native_build.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    paths = {native_build.library_path("quant_matmul", compiler, arch) for arch in TARGETS.values()}
+    assert len(paths) == len(TARGETS)
