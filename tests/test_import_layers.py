@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("text", ("forklift.tokenizer", "forklift.structured")),
     ("core", ("forklift.core",)),
-    ("model", ("forklift.model",)),
+    ("model", ("forklift.model", "forklift.native")),
     ("sampling", ("forklift.sampling",)),
     ("runner", ("forklift.runner",)),
     ("engine", ("forklift.engine",)),

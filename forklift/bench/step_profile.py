@@ -21,6 +21,8 @@ from forklift.bench.decode import decode_step_budget, prefill_steps
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.native.decode_attention import PROFILER_NAME as NATIVE_ATTENTION
+from forklift.native.decode_step import PROFILER_NAME as NATIVE_STEP
+from forklift.native.quant_matmul import PROFILER_NAME as NATIVE_MATMUL
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ CATEGORIES = ("matrix", "attention", "sampling", "other ops", "python and dispat
 
 _MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
            "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
-           "aten::_weight_int8pack_mm"}  # fmt: skip
+           "aten::_weight_int8pack_mm", NATIVE_MATMUL}  # fmt: skip
 # In an eager step the only compiled code is the in-place decode attention kernel (where
 # the native one is missing).
 _COMPILED_GRAPH = "CompiledFxGraph"
@@ -80,9 +82,14 @@ def profile_decode(
     while engine.step_log[-1].num_batched_tokens != batch or engine.step_log[-1].index <= before:
         engine.step()
     first = engine.step_log[-1].index
+    native = engine.runner.native_step
+    if native is not None:
+        native.start_timing()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
+    # A native step is one operator to the profiler: its own timers split it.
+    timed = native.stop_timing() if native is not None else None
     records = [s for s in engine.step_log if s.index > first]
     if any(s.num_batched_tokens != batch for s in records):
         raise RuntimeError("a profiled step was not a pure decode step")
@@ -90,7 +97,12 @@ def profile_decode(
         engine.step()
     buckets = dict.fromkeys(CATEGORIES, 0.0)
     for event in prof.key_averages():
-        buckets[categorize(event.key)] += event.self_cpu_time_total / 1000  # us -> ms
+        if event.key != NATIVE_STEP:
+            buckets[categorize(event.key)] += event.self_cpu_time_total / 1000  # us -> ms
+    if timed is not None:
+        buckets["matrix"] += 1000 * timed.matrix
+        buckets["attention"] += 1000 * timed.attention
+        buckets["other ops"] += 1000 * timed.other
     wall_ms = 1000 * sum(s.duration_s for s in records)
     buckets["python and dispatch"] = max(wall_ms - sum(buckets.values()), 0.0)
     return StepBreakdown(batch, steps, wall_ms / steps, {k: v / steps for k, v in buckets.items()})
@@ -118,6 +130,9 @@ def run_profile_bench(
         "model": str(engine.model_source.path.name),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
+        "decode_step": (
+            "one native call" if engine.runner.native_step is not None else "PyTorch layers"
+        ),
         "context": context,
         "threads": torch.get_num_threads(),
         "breakdowns": [asdict(b) for b in breakdowns],
@@ -131,10 +146,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Command: `{report['command']}`",
         "",
         f"Model {report['model']}, dtype {report['dtype']}, quantization "
-        f"{report['quantization']}, {report['threads']} threads, eager decode at a context of "
-        f"{report['context']} tokens. Operators' own CPU time by kind (torch.profiler); "
-        "python and dispatch is the step's wall time beyond all operators (scheduling, "
-        "input preparation, outputs). "
+        f"{report['quantization']}, {report['threads']} threads, decode step: "
+        f"{report.get('decode_step', 'PyTorch layers')}, at a context of "
+        f"{report['context']} tokens. Operators' own CPU time by kind (torch.profiler; a "
+        "native step's own timers split its one call); python and dispatch is the step's "
+        "wall time beyond all operators (scheduling, input preparation, outputs). "
         f"CPU flags: {' '.join(report.get('cpu_flags', [])) or 'n/a'}. "
         "Milliseconds per step, with the share of the step.",
         "",

@@ -30,6 +30,12 @@ from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
 from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_step import (
+    NATIVE_STEP_MAX_ROWS,
+    NativeDecodeStep,
+    StepBinding,
+    unsupported_reason,
+)
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
@@ -120,6 +126,9 @@ class ModelRunner:
             None if tp is None else TensorParallelShard.plan(model_config, tp.rank, tp.world_size)
         )
         self.model = self._build_model()
+        self.native_step = self._load_native_step()
+        self._step_binding: StepBinding | None = None  # bound on the first native step
+        self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
         self._weight_updater = WeightUpdater(self.model)
         # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
         self.layer_caches: list[LayerCache] = []
@@ -184,8 +193,27 @@ class ModelRunner:
         self.quantization_report = quantize_model(model, self.quantization, self.quant_kernel)
         return model
 
+    def _load_native_step(self) -> NativeDecodeStep | None:
+        """One native call per decode step where the model and its weights allow it."""
+        if self.quant_kernel is None:
+            return None  # the native block kernels are off; the log said why
+        reason = unsupported_reason(self.model)
+        step = NativeDecodeStep.load() if reason is None else None
+        if reason is None and step is None:
+            reason = "the step library did not build"
+        if step is None:
+            logger.info("decode step: PyTorch layers with native block matmuls (%s)", reason)
+        else:
+            logger.info("decode step: one native call for up to %d rows", NATIVE_STEP_MAX_ROWS)
+        return step
+
     def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
         """The native block kernels where the backend and this machine allow them."""
+        if decode_backend == "native" and not self.quantization.enabled:
+            raise ValueError(
+                "decode_backend='native' runs quantized weights, and this engine's "
+                "quantization resolved to 'none'; use 'auto'"
+            )
         if decode_backend == "torch" or not self.quantization.enabled:
             return None
         if self.device.type != "cpu":
@@ -324,6 +352,7 @@ class ModelRunner:
         self._reset_captures()
 
     def _reset_captures(self) -> None:
+        self._step_binding = None  # it points into the old weights or cache
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
@@ -357,6 +386,7 @@ class ModelRunner:
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()
         requantize(self.model, changed, self.quant_kernel)
+        self._step_binding = None  # requantized layers are new tensors
         return applied
 
     @property
@@ -369,14 +399,15 @@ class ModelRunner:
         scheduled: list[ScheduledChunk],
         state_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
-        key = self._capture_key(scheduled)
+        native = self._runs_native_step(scheduled)
+        key = None if native else self._capture_key(scheduled)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
         inputs = self.prepare_inputs(
             scheduled, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
         )
         sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
-        logits, scores = self.forward_step(inputs, key)
+        logits, scores = self.forward_step(inputs, key, native)
         prompt_scores = split_prompt_scores(scheduled, scores) if scores is not None else []
         if logits is None:
             return StepResult([], None, prompt_scores)
@@ -387,15 +418,18 @@ class ModelRunner:
 
     @mirrored
     def forward_step(
-        self, inputs: StepInputs, key: CaptureKey | None = None
+        self, inputs: StepInputs, key: CaptureKey | None = None, native: bool = False
     ) -> tuple[torch.Tensor | None, PromptScores | None]:
         """The model on one step's inputs: logits of the sampling rows (None if none), and
-        the scores of the prompt rows asked for (None if none)."""
+        the scores of the prompt rows asked for (None if none). `native`: a decode step
+        the native step runs whole (see `_runs_native_step`)."""
         with torch.inference_mode():
             if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
                 self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
             if inputs.state_copies is not None and inputs.state_copies.numel():
                 self._copy_states(inputs.state_copies)
+            if native:
+                return self._native_forward(inputs), None
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -415,6 +449,26 @@ class ModelRunner:
             if inputs.sample_index.numel() == 0:
                 return None, scores
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
+
+    def _runs_native_step(self, scheduled: list[ScheduledChunk]) -> bool:
+        """A decode step of few rows, each sampling its one new token, scoring no prompt."""
+        return (
+            self.native_step is not None
+            and 0 < len(scheduled) <= NATIVE_STEP_MAX_ROWS
+            and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt
+                    for s in scheduled)
+        )  # fmt: skip
+
+    def _native_forward(self, inputs: StepInputs) -> torch.Tensor:
+        assert self.native_step is not None
+        if self._step_binding is None:
+            self._step_binding = StepBinding(self.model, self.layer_caches)
+        self.native_steps += 1
+        group = inputs.meta.groups[0]
+        return self.native_step(
+            self._step_binding, inputs.input_ids, inputs.positions, inputs.meta.slot_mapping,
+            group.kv_blocks, group.mask,
+        )  # fmt: skip
 
     def _copy_states(self, copies: torch.Tensor) -> None:
         source, target = copies[:, 0], copies[:, 1]

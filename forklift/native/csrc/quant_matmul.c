@@ -21,7 +21,7 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
         float *row = wide + r * k;
         if (is_bf16) {
             const uint16_t *src = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) row[i] = bf16_bits_to_float(src[i]);
+            for (int64_t i = 0; i < k; i++) row[i] = bf16_to_float(src[i]);
         } else {
             memcpy(row, (const float *)x + r * k, sizeof(float) * (size_t)k);
         }
@@ -40,7 +40,7 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
     }
     if (is_bf16) {
         uint16_t *dst = out;
-        for (int64_t i = 0; i < rows * n; i++) dst[i] = float_to_bf16_bits(wide[i]);
+        for (int64_t i = 0; i < rows * n; i++) dst[i] = float_to_bf16(wide[i]);
     }
     free(views);
     free(wide);

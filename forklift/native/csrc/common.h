@@ -1,0 +1,54 @@
+/* What every kernel here shares: bf16 and fp16 conversions. */
+#ifndef FORKLIFT_COMMON_H
+#define FORKLIFT_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)bits << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(v.u >> 16);
+}
+
+static inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: renormalise */
+        exponent = 113u;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    union { uint32_t u; float f; } v;
+    v.u = bits;
+    return v.f;
+#endif
+}
+
+#endif

@@ -1,0 +1,232 @@
+/* A whole decode step of a Llama-family model in one call: embedding, every layer (RMSNorm,
+ * fused QKV, q/k norms, rotary, the K/V write into the paged cache, paged attention, o_proj
+ * and residual, RMSNorm, gate-up, SiLU x up, down and residual), the final norm and the
+ * logits. Python prepares the step's index tensors once and calls this once, so no
+ * interpreter or operator dispatch stands between the layers.
+ *
+ * Every linear is a block-quantized weight (quant_matmul.h); norms, the embedding and the
+ * KV cache are in the model's dtype (bf16 or fp32). The residual stream and every
+ * activation stay in fp32 between operations. Each matmul and the attention fan out over
+ * the OpenMP threads torch uses; the small per-row operations run on the calling thread.
+ */
+#include "paged_attention.h"
+#include "quant_matmul.h"
+
+#include <omp.h>
+
+typedef struct {
+    const void *input_norm;  /* [hidden] */
+    const void *post_norm;   /* [hidden] */
+    const void *q_norm;      /* [head_dim] or NULL */
+    const void *k_norm;      /* [head_dim] or NULL */
+    const void *qkv_bias;    /* [q + 2 kv] or NULL */
+    const void *o_bias;      /* [hidden] or NULL */
+    QuantWeight qkv, o, gate_up, down;
+    void *key_cache;         /* [kv_heads, num_blocks, block_size, head_dim] */
+    void *value_cache;
+} StepLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, rotary_dim;
+    int64_t num_blocks, block_size;
+    float eps, scale;
+    int is_bf16;             /* norms, embedding and KV cache in bf16 (else fp32) */
+    const void *embed;       /* [vocab, hidden] */
+    const void *final_norm;  /* [hidden] */
+    const float *rope_cos;   /* [max_positions, rotary_dim], rotate-half convention */
+    const float *rope_sin;
+    QuantWeight head;        /* [vocab, hidden] */
+    const StepLayer *layers;
+} StepModel;
+
+static inline float load_value(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_value(void *base, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((uint16_t *)base)[i] = float_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* out = x / rms(x) * w over n values. */
+static void rms_norm(const float *x, const void *weight, int64_t n, float eps, int is_bf16,
+                     float *out) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float inverse = 1.0f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * load_value(weight, i, is_bf16);
+}
+
+/* x @ W.T for `rows` rows of w->k values, out [rows, w->n]: activations quantized once,
+ * the weight's row groups split among the threads. */
+static void matmul(const QuantWeight *w, const float *x, int64_t rows, QuantizedRow *views,
+                   float *out, int num_threads) {
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * w->k, w->k, views[r]);
+    const int64_t groups = (w->n + 7) / 8;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (groups + threads - 1) / threads;
+        const int64_t begin = id * per < groups ? id * per : groups;
+        const int64_t end = begin + per < groups ? begin + per : groups;
+        quant_matmul_range(w, views, rows, out, begin, end);
+    }
+}
+
+/* Rotate-half rotary on the first `rotary_dim` values of one head. */
+static inline void rotate(float *head, const float *cos, const float *sin, int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = head[i], b = head[i + half];
+        head[i] = a * cos[i] - b * sin[i];
+        head[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void attention(const StepModel *m, const StepLayer *layer, const float *q, int64_t rows,
+                      const int64_t *blocks, int64_t table_width, const float *bias,
+                      float *out, int num_threads, int *failed) {
+    const int64_t tasks = rows * m->kv_heads;
+    int task_failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : task_failed)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t seq = task / m->kv_heads, kv_head = task % m->kv_heads;
+        if (m->head_dim == 64 && m->is_bf16)
+            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
+                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
+                                      m->block_size, 64, table_width, m->scale, 1, 0);
+        else if (m->head_dim == 128 && m->is_bf16)
+            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
+                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
+                                      m->block_size, 128, table_width, m->scale, 1, 0);
+        else
+            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
+                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
+                                      m->block_size, m->head_dim, table_width, m->scale,
+                                      m->is_bf16, 0);
+    }
+    *failed |= task_failed;
+}
+
+/* Seconds spent in matmuls (activation quantization included) and in attention, added to
+ * timings[0] and [1] when the caller passes timings; [2] gets the rest of the step. */
+#define TIMED(slot, call)                                                                 \
+    do {                                                                                  \
+        const double started_ = timings != NULL ? omp_get_wtime() : 0.0;                 \
+        call;                                                                             \
+        if (timings != NULL) timings[slot] += omp_get_wtime() - started_;                 \
+    } while (0)
+
+/* Logits [rows, vocab] float32 for one decode token per row. blocks [rows, table_width]
+ * and bias [rows, table_width * block_size] as decode_attention.c reads them; slots: each
+ * row's cache slot for its new K/V; timings: NULL, or three sums (see TIMED). Returns 0,
+ * or 1 when scratch memory ran out. */
+int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
+                         const int64_t *positions, const int64_t *slots, const int64_t *blocks,
+                         int64_t table_width, const float *bias, float *logits,
+                         int num_threads, double *timings) {
+    const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
+    const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
+    const int64_t hidden = m->hidden, head_dim = m->head_dim;
+    const int64_t q_size = m->heads * head_dim, kv_size = m->kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
+    const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
+                                          : (q_size > hidden ? q_size : hidden);
+    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 2 * inter));
+    float *residual = malloc(sizeof(float) * floats);
+    QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)rows);
+    int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(rows, widest, views);
+    if (residual == NULL || views == NULL || scratch == NULL) {
+        free(residual);
+        free(views);
+        free(scratch);
+        return 1;
+    }
+    float *normed = residual + rows * hidden;     /* [rows, hidden] */
+    float *qkv = normed + rows * hidden;          /* [rows, q + 2 kv] */
+    float *attended = qkv + rows * qkv_size;      /* [rows, q] */
+    float *gate_up = attended + rows * q_size;    /* [rows, 2 inter] */
+    float *activated = gate_up;                   /* reuses gate_up's first half per row */
+    const int is_bf16 = m->is_bf16;
+    int failed = 0;
+
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hidden; i++)
+            residual[r * hidden + i] = load_value(m->embed, ids[r] * hidden + i, is_bf16);
+
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const StepLayer *layer = &m->layers[l];
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16,
+                     normed + r * hidden);
+        TIMED(0, matmul(&layer->qkv, normed, rows, views, qkv, num_threads));
+        const size_t elem = is_bf16 ? 2 : 4;
+        const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * qkv_size;
+            if (layer->qkv_bias != NULL)
+                for (int64_t i = 0; i < qkv_size; i++) row[i] += load_value(layer->qkv_bias, i, is_bf16);
+            const float *cos = m->rope_cos + positions[r] * m->rotary_dim;
+            const float *sin = m->rope_sin + positions[r] * m->rotary_dim;
+            for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
+                float *head = row + h * head_dim;
+                const void *norm = h < m->heads ? layer->q_norm : layer->k_norm;
+                if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, head);
+                rotate(head, cos, sin, m->rotary_dim);
+            }
+            /* The new K and V into their cache slot, head by head. */
+            for (int64_t h = 0; h < m->kv_heads; h++) {
+                const float *k = row + q_size + h * head_dim;
+                const float *v = row + q_size + kv_size + h * head_dim;
+                char *k_dst = (char *)layer->key_cache +
+                              ((size_t)h * head_stride + (size_t)(slots[r] * head_dim)) * elem;
+                char *v_dst = (char *)layer->value_cache +
+                              ((size_t)h * head_stride + (size_t)(slots[r] * head_dim)) * elem;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    store_value(k_dst, i, k[i], is_bf16);
+                    store_value(v_dst, i, v[i], is_bf16);
+                }
+            }
+            /* Queries packed [rows, heads, head_dim] for the attention kernel. */
+            memcpy(attended + r * q_size, row, sizeof(float) * (size_t)q_size);
+        }
+        /* attended holds the queries; attention reads them and writes into qkv's room. */
+        float *context = qkv;
+        TIMED(1, attention(m, layer, attended, rows, blocks, table_width, bias, context,
+                           num_threads, &failed));
+        TIMED(0, matmul(&layer->o, context, rows, views, normed, num_threads));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < hidden; i++)
+                residual[r * hidden + i] += normed[r * hidden + i] +
+                    (layer->o_bias != NULL ? load_value(layer->o_bias, i, is_bf16) : 0.0f);
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16,
+                     normed + r * hidden);
+        TIMED(0, matmul(&layer->gate_up, normed, rows, views, gate_up, num_threads));
+        for (int64_t r = 0; r < rows; r++) {
+            const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+            float *act = activated + r * inter;
+            for (int64_t i = 0; i < inter; i++) { /* silu(g) * up, exp of -|g| only */
+                const float g = gate[i], e = exp_nonpositive(-fabsf(g));
+                const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                act[i] = g * sigmoid * up[i];
+            }
+        }
+        TIMED(0, matmul(&layer->down, activated, rows, views, normed, num_threads));
+        for (int64_t i = 0; i < rows * hidden; i++) residual[i] += normed[i];
+    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16,
+                 normed + r * hidden);
+    TIMED(0, matmul(&m->head, normed, rows, views, logits, num_threads));
+    if (timings != NULL) {
+        const double timed = timings[0] + timings[1] - timed_before;
+        timings[2] += omp_get_wtime() - step_started - timed;
+    }
+    free(residual);
+    free(views);
+    free(scratch);
+    return failed;
+}
