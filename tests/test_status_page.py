@@ -97,6 +97,7 @@ def test_the_snapshot_needs_the_key_and_the_page_does_not(server):
     data = get_status(url).json()
     assert data["served_model_name"] == "tiny"
     assert data["snapshot"]["config"]["block_size"] == 4
+    assert data["snapshot"]["config"]["decode_path"] == "torch"  # a dense model
     assert data["state_names"] == ["held_cached", "held", "cached", "free", "null"]
 
 
@@ -259,7 +260,8 @@ def replica_status(group: int, held: int) -> dict:
         "state_names": ["held_cached", "held", "cached", "free", "null"],
         "snapshot": {
             "config": {"model": "m", "architecture": "llama", "dtype": "float32",
-                       "quantization": "none", "device": "cpu", "block_size": 4,
+                       "quantization": "none", "decode_path": "torch", "device": "cpu",
+                       "block_size": 4,
                        "num_blocks": cells * group, "max_num_seqs": 4,
                        "max_num_batched_tokens": 64, "max_model_len": 256,
                        "prefix_caching": True, "weight_version": 3},

@@ -255,7 +255,8 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--forms",
         default=None,
-        help="comma-separated: fp32, bf16, int8, int4, int4-captured, int4-torch-attention",
+        help="comma-separated: fp32, bf16, int8, int4 (native step), int4-avx2, int4-torch, "
+        "int4-captured, int4-torch-attention",
     )
     parser.add_argument("--batch-sizes", default=None, help="comma-separated")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per request")

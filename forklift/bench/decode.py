@@ -25,6 +25,7 @@ import torch
 
 from forklift.bench.environment import environment_variable
 from forklift.bench.report import cpu_flags, subplots, write_report_files
+from forklift.cpu import CPU_KIND_ENV
 from forklift.llm import LLM
 from forklift.model.layers.linear import Linear
 from forklift.model.model_config import ModelConfig
@@ -44,16 +45,26 @@ class WeightForm:
     dtype: str
     quantization: str
     enforce_eager: bool = True
-    # False: decode attention on PyTorch's kernels instead of the native C one (side by side).
+    # False: every kernel on PyTorch's (no native library at all), side by side.
     native_kernels: bool = True
+    decode_backend: str = "auto"
+    # "avx2": the engine built as on an AVX2-only CPU (FORKLIFT_CPU_KIND): fp32 model,
+    # native kernels compiled for x86-64-v3. The machine's memory and clocks stay its own.
+    cpu_kind: str | None = None
 
 
 WEIGHT_FORMS = {
     "fp32": WeightForm("fp32", "float32", "none"),
     "bf16": WeightForm("bf16", "bfloat16", "none"),
     "int8": WeightForm("int8", "bfloat16", "int8"),
-    "int4": WeightForm("int4", "bfloat16", "auto"),  # a Q4 GGUF at its own precision
-    "int4-captured": WeightForm("int4-captured", "bfloat16", "auto", enforce_eager=False),
+    # A Q4 GGUF at its own precision; the native decode step where it builds.
+    "int4": WeightForm("int4", "bfloat16", "auto"),
+    "int4-avx2": WeightForm("int4-avx2", "auto", "auto", cpu_kind="avx2"),
+    # PyTorch's int4 / int8 kernels and layers (native decode attention).
+    "int4-torch": WeightForm("int4-torch", "bfloat16", "auto", decode_backend="torch"),
+    "int4-captured": WeightForm(
+        "int4-captured", "bfloat16", "auto", enforce_eager=False, decode_backend="torch"
+    ),
     "int4-torch-attention": WeightForm(
         "int4-torch-attention", "bfloat16", "auto", native_kernels=False
     ),
@@ -63,8 +74,8 @@ WEIGHT_FORMS = {
 @dataclass
 class DecodeSettings:
     model: str | None = None
-    forms: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
-    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    forms: tuple[str, ...] = ("fp32", "bf16", "int8", "int4-torch", "int4")
+    batch_sizes: tuple[int, ...] = (1, 8, 16, 32)
     context: int = 564
     timed_steps: int = 8
     llama_bench: str | None = None  # path to llama.cpp's llama-bench binary
@@ -170,12 +181,18 @@ def _build_llm(settings: DecodeSettings, form: WeightForm, longest: int, budget:
         max_num_batched_tokens=budget,
         enforce_eager=form.enforce_eager,
         decode_capture_sizes=settings.batch_sizes,
+        decode_backend=form.decode_backend,
     )
 
 
 def native_kernels_enabled(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Build an engine with or without the native kernels (read when its model is built)."""
     return contextlib.nullcontext() if enabled else environment_variable(DISABLE_ENV, "0")
+
+
+def cpu_kind(kind: str | None) -> contextlib.AbstractContextManager[None]:
+    """Build an engine as on another kind of CPU (read when its model is built)."""
+    return contextlib.nullcontext() if kind is None else environment_variable(CPU_KIND_ENV, kind)
 
 
 def _time_decode(llm: LLM, batch: int, settings: DecodeSettings, seed: int) -> list[float]:
@@ -236,7 +253,7 @@ def _measure_form(
 ) -> tuple[list[DecodePoint], LLM]:
     longest = max(settings.batch_sizes)
     budget = decode_step_budget(longest)
-    with native_kernels_enabled(form.native_kernels):
+    with native_kernels_enabled(form.native_kernels), cpu_kind(form.cpu_kind):
         llm = _build_llm(settings, form, longest, budget)
     _time_decode(llm, 1, settings, seed=0)  # warm-up
     points = []

@@ -126,6 +126,7 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "architecture": engine.model_config.architecture,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
+        "decode_path": engine.runner.decode_path,
         "device": str(engine.device),
         "block_size": config.block_size,
         "num_blocks": engine.kv_plan.num_blocks,

@@ -193,6 +193,14 @@ class ModelRunner:
         self.quantization_report = quantize_model(model, self.quantization, self.quant_kernel)
         return model
 
+    @property
+    def decode_path(self) -> str:
+        """What runs a small decode step: "native step" (one call), "native matmuls" (the
+        PyTorch layers on the native block kernels) or "torch"."""
+        if self.native_step is not None:
+            return "native step"
+        return "native matmuls" if self.quant_kernel is not None else "torch"
+
     def _load_native_step(self) -> NativeDecodeStep | None:
         """One native call per decode step where the model and its weights allow it."""
         if self.quant_kernel is None:
