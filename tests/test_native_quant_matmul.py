@@ -73,6 +73,28 @@ def test_block_matmul_equals_the_reference(kernel, n, k, form):
         torch.testing.assert_close(got_bf16.float(), want_bf16, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("form", ["int4", "int8"])
+def test_precise_activations_take_two_int8_rows(kernel, form):
+    """A precise weight (an LM head) quantizes each row and then what its rounding left:
+    the product equals that two-row reference and is far closer to the float product."""
+    torch.manual_seed(5)
+    n, k = 40, 192
+    weight = torch.randn(n, k)
+    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
+    precise, plain = build(weight, kernel, precise=True), build(weight, kernel)
+    exact = precise.dequantize()
+    for rows in (1, 3, 9, 16):
+        x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)  # uneven blocks, as real ones
+        first = _activation_quantized(x)
+        two_rows = first + _activation_quantized(x - first)
+        want = (two_rows.double() @ exact.double().T).float()
+        got = precise.linear(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+        floats = x.double() @ exact.double().T
+        error, plain_error = (got - floats).abs().max(), (plain.linear(x) - floats).abs().max()
+        assert error < plain_error / 50
+
+
 def test_int4_blocks_hold_the_groups_exactly(kernel):
     """GGUF-like groups (fp16-representable d and m) survive the interleaved layout bit for
     bit, rows past a multiple of eight included."""

@@ -136,13 +136,14 @@ def quantize_model(
         dense_head = kernel is None and _is_bf16(module.packed_weight)
         if form is None or (param == "lm_head.weight" and dense_head):
             continue
-        weight, source = _quantize_weight(module.weight, form, exact.get(param), kernel)
+        head = param == "lm_head.weight"
+        weight, source = _quantize_weight(module.weight, form, exact.get(param), kernel, head)
         module.quantized = weight
         report.tensors.append(QuantizedTensor(param, form, source, weight.nbytes))
         logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
         report.dense_bytes += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None and (kernel is not None or not _is_bf16(model.packed_tied_head)):
-        model.quantized_head = _int8(model.embed_tokens.weight, kernel)
+        model.quantized_head = _int8(model.embed_tokens.weight, kernel, head=True)
         report.tensors.append(
             QuantizedTensor("lm_head (tied)", "int8", "round-to-nearest",
                             model.quantized_head.nbytes)
@@ -158,27 +159,34 @@ def requantize(
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized is not None:
             if f"{name}.weight" in changed_params:
-                form = module.quantized.form
-                module.quantized, _ = _quantize_weight(module.weight, form, None, kernel)
+                form, head = module.quantized.form, name == "lm_head"
+                module.quantized, _ = _quantize_weight(module.weight, form, None, kernel, head)
     if model.quantized_head is not None and "embed_tokens.weight" in changed_params:
-        model.quantized_head = _int8(model.embed_tokens.weight, kernel)
+        model.quantized_head = _int8(model.embed_tokens.weight, kernel, head=True)
 
 
 def _quantize_weight(
-    weight: torch.Tensor, form: str, exact: Int4Groups | None, kernel: QuantMatmulKernel | None
+    weight: torch.Tensor,
+    form: str,
+    exact: Int4Groups | None,
+    kernel: QuantMatmulKernel | None,
+    head: bool = False,
 ) -> tuple[QuantizedWeight, str]:
+    """A head's native copy takes precise activations: sampling reads its logits."""
     if form == "int8":
-        return _int8(weight, kernel), "round-to-nearest"
+        return _int8(weight, kernel, head), "round-to-nearest"
     groups = exact if exact is not None else int4_groups_from_dense(weight)
     source = "gguf blocks" if exact is not None else "round-to-nearest"
     if kernel is not None:
-        return BlockInt4.from_groups(groups, kernel), source
+        return BlockInt4.from_groups(groups, kernel, precise=head), source
     return PackedInt4.pack(groups), source
 
 
-def _int8(weight: torch.Tensor, kernel: QuantMatmulKernel | None) -> QuantizedWeight:
+def _int8(
+    weight: torch.Tensor, kernel: QuantMatmulKernel | None, head: bool = False
+) -> QuantizedWeight:
     if kernel is not None:
-        return BlockInt8.from_dense(weight, kernel)
+        return BlockInt8.from_dense(weight, kernel, precise=head)
     return PackedInt8.quantize(weight)
 
 

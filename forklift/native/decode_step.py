@@ -39,6 +39,7 @@ class _QuantWeight(ctypes.Structure):
         ("m", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("precise", ctypes.c_int32),
     ]
 
 
@@ -87,9 +88,10 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 def _quant_weight(weight: object) -> _QuantWeight:
     if isinstance(weight, BlockInt4):
         return _QuantWeight(weight.codes.data_ptr(), weight.scales.data_ptr(),
-                            weight.mins.data_ptr(), *weight.shape)  # fmt: skip
+                            weight.mins.data_ptr(), *weight.shape, weight.precise)  # fmt: skip
     assert isinstance(weight, BlockInt8)
-    return _QuantWeight(weight.codes.data_ptr(), weight.scales.data_ptr(), None, *weight.shape)
+    return _QuantWeight(weight.codes.data_ptr(), weight.scales.data_ptr(), None, *weight.shape,
+                        weight.precise)  # fmt: skip
 
 
 def _head_weight(model: LlamaForCausalLM) -> object:

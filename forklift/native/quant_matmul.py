@@ -34,7 +34,8 @@ class QuantMatmulKernel:
         function = library.forklift_quant_matmul
         function.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -51,9 +52,10 @@ class QuantMatmulKernel:
         scales: torch.Tensor,
         mins: torch.Tensor | None,
         out_features: int,
+        precise: bool = False,
     ) -> torch.Tensor:
         if x.dtype not in _DTYPE_FLAGS:  # fp16 and others compute in fp32
-            return self(x.float(), codes, scales, mins, out_features).to(x.dtype)
+            return self(x.float(), codes, scales, mins, out_features, precise).to(x.dtype)
         x = x.contiguous()
         rows, k = x.shape
         out = x.new_empty(rows, out_features)
@@ -61,8 +63,8 @@ class QuantMatmulKernel:
         with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
             failed = self._function(
                 x.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(),
-                None if mins is None else mins.data_ptr(), out_features, out.data_ptr(),
-                _DTYPE_FLAGS[x.dtype], torch.get_num_threads(),
+                None if mins is None else mins.data_ptr(), out_features, int(precise),
+                out.data_ptr(), _DTYPE_FLAGS[x.dtype], torch.get_num_threads(),
             )  # fmt: skip
         if failed:
             raise MemoryError("the quantized matmul could not allocate its scratch buffers")
@@ -107,11 +109,15 @@ class BlockInt4:
     mins: torch.Tensor  # [N / 8, K / 32, 8] float16: m
     shape: tuple[int, int]
     kernel: QuantMatmulKernel
+    # Activations as two int8 rows each (about 15 bits): for LM heads (csrc/quant_matmul.h).
+    precise: bool = False
     form = "int4"
     max_rows = BLOCK_MAX_ROWS
 
     @classmethod
-    def from_groups(cls, groups: Int4Groups, kernel: QuantMatmulKernel) -> BlockInt4:
+    def from_groups(
+        cls, groups: Int4Groups, kernel: QuantMatmulKernel, precise: bool = False
+    ) -> BlockInt4:
         n, k = groups.shape
         codes = interleave_rows(groups.codes, 4)  # [G, B, 8 chunks, 8, 4]
         packed = codes[:, :, :4] | (codes[:, :, 4:] << 4)
@@ -122,15 +128,18 @@ class BlockInt4:
             interleave_rows(mins.to(torch.float16), 1).flatten(2),
             (n, k),
             kernel,
+            precise,
         )
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, kernel: QuantMatmulKernel) -> BlockInt4:
-        return cls.from_groups(int4_groups_from_dense(weight), kernel)
+    def from_dense(
+        cls, weight: torch.Tensor, kernel: QuantMatmulKernel, precise: bool = False
+    ) -> BlockInt4:
+        return cls.from_groups(int4_groups_from_dense(weight), kernel, precise)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.shape[1])
-        return self.kernel(x, self.codes, self.scales, self.mins, self.shape[0])
+        return self.kernel(x, self.codes, self.scales, self.mins, self.shape[0], self.precise)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
@@ -155,11 +164,14 @@ class BlockInt8:
     scales: torch.Tensor  # [N / 8, K / 32, 8] float16
     shape: tuple[int, int]
     kernel: QuantMatmulKernel
+    precise: bool = False  # as BlockInt4's
     form = "int8"
     max_rows = BLOCK_MAX_ROWS
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, kernel: QuantMatmulKernel) -> BlockInt8:
+    def from_dense(
+        cls, weight: torch.Tensor, kernel: QuantMatmulKernel, precise: bool = False
+    ) -> BlockInt8:
         n, k = weight.shape
         if k % GROUP_SIZE:
             raise ValueError(f"int8 blocks need input sizes divisible by {GROUP_SIZE}, got {k}")
@@ -174,11 +186,12 @@ class BlockInt8:
             interleave_rows(scales, 1).flatten(2),
             (n, k),
             kernel,
+            precise,
         )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.shape[1])
-        return self.kernel(x, self.codes, self.scales, None, self.shape[0])
+        return self.kernel(x, self.codes, self.scales, None, self.shape[0], self.precise)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape

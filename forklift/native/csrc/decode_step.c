@@ -12,8 +12,6 @@
 #include "paged_attention.h"
 #include "quant_matmul.h"
 
-#include <omp.h>
-
 typedef struct {
     const void *input_norm;  /* [hidden] */
     const void *post_norm;   /* [hidden] */
@@ -57,22 +55,6 @@ static void rms_norm(const float *x, const void *weight, int64_t n, float eps, i
     for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
     const float inverse = 1.0f / sqrtf(squares / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * load_value(weight, i, is_bf16);
-}
-
-/* x @ W.T for `rows` rows of w->k values, out [rows, w->n]: activations quantized once,
- * the weight's row groups split among the threads. */
-static void matmul(const QuantWeight *w, const float *x, int64_t rows, QuantizedRow *views,
-                   float *out, int num_threads) {
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * w->k, w->k, views[r]);
-    const int64_t groups = (w->n + 7) / 8;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (groups + threads - 1) / threads;
-        const int64_t begin = id * per < groups ? id * per : groups;
-        const int64_t end = begin + per < groups ? begin + per : groups;
-        quant_matmul_range(w, views, rows, out, begin, end);
-    }
 }
 
 /* Rotate-half rotary on the first `rotary_dim` values of one head. */
@@ -134,10 +116,10 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
     const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
                                           : (q_size > hidden ? q_size : hidden);
-    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 2 * inter));
+    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 2 * inter) + widest);
     float *residual = malloc(sizeof(float) * floats);
-    QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)rows);
-    int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(rows, widest, views);
+    QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
+    int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, widest, views);
     if (residual == NULL || views == NULL || scratch == NULL) {
         free(residual);
         free(views);
@@ -149,6 +131,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     float *attended = qkv + rows * qkv_size;      /* [rows, q] */
     float *gate_up = attended + rows * q_size;    /* [rows, 2 inter] */
     float *activated = gate_up;                   /* reuses gate_up's first half per row */
+    float *rest = gate_up + rows * 2 * inter;     /* [widest]: precise weights' residuals */
     const int is_bf16 = m->is_bf16;
     int failed = 0;
 
@@ -161,7 +144,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16,
                      normed + r * hidden);
-        TIMED(0, matmul(&layer->qkv, normed, rows, views, qkv, num_threads));
+        TIMED(0, quant_matmul_rows(&layer->qkv, normed, rows, views, rest, qkv, num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
         const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
         for (int64_t r = 0; r < rows; r++) {
@@ -196,7 +179,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         float *context = qkv;
         TIMED(1, attention(m, layer, attended, rows, blocks, table_width, bias, context,
                            num_threads, &failed));
-        TIMED(0, matmul(&layer->o, context, rows, views, normed, num_threads));
+        TIMED(0, quant_matmul_rows(&layer->o, context, rows, views, rest, normed, num_threads));
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < hidden; i++)
                 residual[r * hidden + i] += normed[r * hidden + i] +
@@ -204,7 +187,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16,
                      normed + r * hidden);
-        TIMED(0, matmul(&layer->gate_up, normed, rows, views, gate_up, num_threads));
+        TIMED(0, quant_matmul_rows(&layer->gate_up, normed, rows, views, rest, gate_up, num_threads));
         for (int64_t r = 0; r < rows; r++) {
             const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
             float *act = activated + r * inter;
@@ -214,13 +197,13 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                 act[i] = g * sigmoid * up[i];
             }
         }
-        TIMED(0, matmul(&layer->down, activated, rows, views, normed, num_threads));
+        TIMED(0, quant_matmul_rows(&layer->down, activated, rows, views, rest, normed, num_threads));
         for (int64_t i = 0; i < rows * hidden; i++) residual[i] += normed[i];
     }
     for (int64_t r = 0; r < rows; r++)
         rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16,
                  normed + r * hidden);
-    TIMED(0, matmul(&m->head, normed, rows, views, logits, num_threads));
+    TIMED(0, quant_matmul_rows(&m->head, normed, rows, views, rest, logits, num_threads));
     if (timings != NULL) {
         const double timed = timings[0] + timings[1] - timed_before;
         timings[2] += omp_get_wtime() - step_started - timed;

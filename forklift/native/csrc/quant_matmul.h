@@ -26,6 +26,8 @@
 
 #include "common.h"
 
+#include <omp.h>
+
 #define QK 32
 
 /* One activation row as int8 blocks: q[k], the blocks' scales xd[k / 32] and, for q4
@@ -155,25 +157,32 @@ static inline __attribute__((always_inline)) void group_tile(
 #endif
 }
 
-/* Weights of one matmul: q4 when `m` is set, else q8. */
+/* Weights of one matmul: q4 when `m` is set, else q8. `precise`: activations go in as
+ * two int8 rows each, the quantized row and what its rounding left (about 15 bits instead
+ * of 8, for twice the integer work): for the LM head, whose logits sampling reads
+ * directly. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *d;
     const uint16_t *m; /* q4 only */
     int64_t n, k;      /* n: the real output rows (the layout holds ceil(n / 8) groups) */
+    int32_t precise;
 } QuantWeight;
 
-/* out[r, 8g..8g+7] for one row group against every activation row. */
+/* out[r, 8g..8g+7] for one row group against every activation row. With `fold` > 0,
+ * activation rows fold..2 fold - 1 add onto output rows 0..fold - 1 (a precise weight's
+ * second halves). */
 static inline void quant_row_group(const QuantWeight *w, int64_t g, const QuantizedRow *x,
-                                   int64_t rows, float *out, int64_t out_stride) {
+                                   int64_t rows, float *out, int64_t out_stride, int64_t fold) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const uint8_t *codes = w->codes + g * blocks * (is_q4 ? 128 : 256);
     const uint16_t *d = w->d + g * blocks * 8;
     const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
     const int64_t first = 8 * g, width = w->n - first < 8 ? w->n - first : 8;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int tile = rows - r0 < 4 ? (int)(rows - r0) : 4;
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
+        const int tile = limit - r0 < 4 ? (int)(limit - r0) : 4;
         float sums[32];
         /* Constants for the tile size and block type: unrolled loops, no branches. */
 #define GROUP_TILE(is_q4)                                                             \
@@ -189,8 +198,16 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
             GROUP_TILE(0)
         }
 #undef GROUP_TILE
-        for (int t = 0; t < tile; t++)
-            memcpy(out + (r0 + t) * out_stride + first, sums + 8 * t, sizeof(float) * (size_t)width);
+        for (int t = 0; t < tile; t++) {
+            const int64_t row = r0 + t;
+            if (fold > 0 && row >= fold) {
+                float *dst = out + (row - fold) * out_stride + first;
+                for (int64_t i = 0; i < width; i++) dst[i] += sums[8 * t + i];
+            } else {
+                memcpy(out + row * out_stride + first, sums + 8 * t, sizeof(float) * (size_t)width);
+            }
+        }
+        r0 += tile;
     }
 }
 
@@ -207,11 +224,30 @@ static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow
     return (int8_t *)scales;
 }
 
-/* Row groups in [begin, end) against every quantized activation row; callers split the
- * groups among threads. */
-static inline void quant_matmul_range(const QuantWeight *w, const QuantizedRow *x, int64_t rows,
-                                      float *out, int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) quant_row_group(w, g, x, rows, out, w->n);
+/* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
+ * values and `rest` k floats (a precise weight's second rows); the weight's row groups are
+ * split among the threads, each block read once for every row. */
+static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64_t rows,
+                                     QuantizedRow *views, float *rest, float *out,
+                                     int num_threads) {
+    const int64_t k = w->k;
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row(x + r * k, k, views[r]);
+        if (!w->precise) continue;
+        for (int64_t i = 0; i < k; i++)
+            rest[i] = x[r * k + i] - (float)views[r].q[i] * views[r].xd[i / QK];
+        quantize_row(rest, k, views[rows + r]);
+    }
+    const int64_t active = w->precise ? 2 * rows : rows, fold = w->precise ? rows : 0;
+    const int64_t groups = (w->n + 7) / 8;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (groups + threads - 1) / threads;
+        const int64_t begin = id * per < groups ? id * per : groups;
+        const int64_t end = begin + per < groups ? begin + per : groups;
+        for (int64_t g = begin; g < end; g++) quant_row_group(w, g, views, active, out, w->n, fold);
+    }
 }
 
 #endif
