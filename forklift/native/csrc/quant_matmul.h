@@ -157,6 +157,70 @@ static inline __attribute__((always_inline)) void group_tile(
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FORKLIFT_PAIRED_GROUPS 1
+/* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
+ * the activations' broadcasts and the dot products serve sixteen outputs, half the
+ * instructions per output of group_tile. sums[r * 16 + i]. */
+static inline __attribute__((always_inline)) void group_pair_tile(
+    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
+    float *sums, int is_q4) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[4], offsets[4];
+    for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
+        __m512i w[8];
+        __mmask64 negative[8];
+#define BOTH_GROUPS(offset)                                                                   \
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(                          \
+                               (const __m256i *)(first + (offset)))),                         \
+                           _mm256_loadu_si256((const __m256i *)(second + (offset))), 1)
+        if (is_q4) {
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            for (int c = 0; c < 4; c++) {
+                const __m512i packed = BOTH_GROUPS(32 * c);
+                w[c] = _mm512_and_si512(packed, low);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+        } else { /* signed by signed as |w| by (x negated where w is negative) */
+            for (int c = 0; c < 8; c++) {
+                const __m512i raw = BOTH_GROUPS(32 * c);
+                negative[c] = _mm512_movepi8_mask(raw);
+                w[c] = _mm512_abs_epi8(raw);
+            }
+        }
+#undef BOTH_GROUPS
+#define BOTH_SCALES(s)                                                                        \
+        _mm512_cvtph_ps(_mm256_inserti128_si256(                                              \
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((s##0) + 8 * b))),        \
+            _mm_loadu_si128((const __m128i *)((s##1) + 8 * b)), 1))
+        const __m512 wd = BOTH_SCALES(d);
+        const __m512 wm = is_q4 ? BOTH_SCALES(m) : _mm512_setzero_ps();
+#undef BOTH_SCALES
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                __m512i x0 = _mm512_set1_epi32(xq[c]), x1 = _mm512_set1_epi32(xq[c + 1]);
+                if (!is_q4) {
+                    x0 = _mm512_mask_sub_epi8(x0, negative[c], zero, x0);
+                    x1 = _mm512_mask_sub_epi8(x1, negative[c + 1], zero, x1);
+                }
+                even = _mm512_dpbusd_epi32(even, w[c], x0);
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], x1);
+            }
+            const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[b])), acc[r]);
+            if (is_q4) offsets[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), offsets[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, _mm512_add_ps(acc[r], offsets[r]));
+}
+#endif
+
 /* Weights of one matmul: q4 when `m` is set, else q8. `precise`: activations go in as
  * two int8 rows each, the quantized row and what its rounding left (about 15 bits instead
  * of 8, for twice the integer work): for the LM head, whose logits sampling reads
@@ -168,6 +232,18 @@ typedef struct {
     int64_t n, k;      /* n: the real output rows (the layout holds ceil(n / 8) groups) */
     int32_t precise;
 } QuantWeight;
+
+/* One activation row's sums for outputs first..first + width - 1: written, or with `fold`
+ * (see quant_row_group) added onto the row they complete. */
+static inline void store_sums(float *out, int64_t out_stride, int64_t row, int64_t fold,
+                              int64_t first, const float *sums, int64_t width) {
+    if (fold > 0 && row >= fold) {
+        float *dst = out + (row - fold) * out_stride + first;
+        for (int64_t i = 0; i < width; i++) dst[i] += sums[i];
+    } else {
+        memcpy(out + row * out_stride + first, sums, sizeof(float) * (size_t)width);
+    }
+}
 
 /* out[r, 8g..8g+7] for one row group against every activation row. With `fold` > 0,
  * activation rows fold..2 fold - 1 add onto output rows 0..fold - 1 (a precise weight's
@@ -198,18 +274,53 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
             GROUP_TILE(0)
         }
 #undef GROUP_TILE
+        for (int t = 0; t < tile; t++)
+            store_sums(out, out_stride, r0 + t, fold, first, sums + 8 * t, width);
+        r0 += tile;
+    }
+}
+
+#if defined(FORKLIFT_PAIRED_GROUPS)
+/* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them. */
+static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
+                                        int64_t rows, float *out, int64_t out_stride,
+                                        int64_t fold) {
+    const int64_t blocks = w->k / QK;
+    const int is_q4 = w->m != NULL;
+    const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
+    const uint8_t *codes = w->codes + g * group_bytes;
+    const uint16_t *d = w->d + g * blocks * 8;
+    const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
+    const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
+        const int tile = limit - r0 < 4 ? (int)(limit - r0) : 4;
+        float sums[64];
+#define PAIR_TILE(is_q4, rows)                                                               \
+        group_pair_tile(codes, codes + group_bytes, d, d + blocks * 8, m,                    \
+                        is_q4 ? m + blocks * 8 : NULL, blocks, x + r0, rows, sums, is_q4)
+#define PAIR_TILES(is_q4)                                                                    \
+        switch (tile) {                                                                      \
+        case 1: PAIR_TILE(is_q4, 1); break;                                                  \
+        case 2: PAIR_TILE(is_q4, 2); break;                                                  \
+        case 3: PAIR_TILE(is_q4, 3); break;                                                  \
+        default: PAIR_TILE(is_q4, 4); break;                                                 \
+        }
+        if (is_q4) {
+            PAIR_TILES(1)
+        } else {
+            PAIR_TILES(0)
+        }
+#undef PAIR_TILES
+#undef PAIR_TILE
         for (int t = 0; t < tile; t++) {
-            const int64_t row = r0 + t;
-            if (fold > 0 && row >= fold) {
-                float *dst = out + (row - fold) * out_stride + first;
-                for (int64_t i = 0; i < width; i++) dst[i] += sums[8 * t + i];
-            } else {
-                memcpy(out + row * out_stride + first, sums + 8 * t, sizeof(float) * (size_t)width);
-            }
+            store_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, 8);
+            store_sums(out, out_stride, r0 + t, fold, first + 8, sums + 16 * t + 8, second_width);
         }
         r0 += tile;
     }
 }
+#endif
 
 /* Scratch for `rows` quantized activation rows of k values; NULL when out of memory. */
 static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow *views) {
@@ -246,7 +357,15 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         const int64_t per = (groups + threads - 1) / threads;
         const int64_t begin = id * per < groups ? id * per : groups;
         const int64_t end = begin + per < groups ? begin + per : groups;
-        for (int64_t g = begin; g < end; g++) quant_row_group(w, g, views, active, out, w->n, fold);
+        for (int64_t g = begin; g < end; g++) {
+#if defined(FORKLIFT_PAIRED_GROUPS)
+            if (g + 1 < end) {
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold);
+                continue;
+            }
+#endif
+            quant_row_group(w, g, views, active, out, w->n, fold);
+        }
     }
 }
 
