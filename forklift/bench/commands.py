@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forklift.config import QUANTIZATION_METHODS
+from forklift.config import DECODE_BACKENDS, QUANTIZATION_METHODS
 from forklift.rl.cli import add_grpo_args, config_from_args
 
 
@@ -300,6 +300,7 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled decode steps per size")
     parser.add_argument("--context", type=int, default=564, help="prompt tokens per request")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_METHODS)
+    parser.add_argument("--decode-backend", default="auto", choices=DECODE_BACKENDS)
 
 
 def profile_command(args: argparse.Namespace) -> int:
@@ -310,11 +311,12 @@ def profile_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     context = positive_ints(str(args.context), "--context")[0]
     report = run_profile_bench(
-        args.model, args.dtype, sizes, args.steps, context, args.quantization
+        args.model, args.dtype, sizes, args.steps, context, args.quantization, args.decode_backend
     )
     command = _command("profile") + ["--batch-sizes", args.batch_sizes]
     command += ["--steps", str(args.steps), "--context", str(context)]
     command += ["--quantization", args.quantization] if args.quantization != "auto" else []
+    command += ["--decode-backend", args.decode_backend] if args.decode_backend != "auto" else []
     command += _given(args, "model")
     command += ["--dtype", args.dtype] if args.dtype != "auto" else []
     _publish(report, command, args.out_dir, write_report, render_markdown)

@@ -115,10 +115,11 @@ def run_profile_bench(
     steps: int,
     context: int = 564,
     quantization: str = "auto",
+    decode_backend: str = "auto",
 ) -> dict[str, Any]:
     longest = max(batch_sizes)
     budget = decode_step_budget(longest)
-    llm = LLM(model=model, dtype=dtype, quantization=quantization,
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, decode_backend=decode_backend,
               max_model_len=context + steps + 8 + prefill_steps(longest, context, budget),
               max_num_seqs=longest, max_num_batched_tokens=budget)  # fmt: skip
     profile_decode(llm, 1, 2, context=context)  # warm-up
