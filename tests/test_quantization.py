@@ -272,6 +272,37 @@ def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
     assert all(close), close
 
 
+def test_native_decode_tracks_pytorchs_kernels_on_the_default_model(default_source):
+    """8 chat prompts x 64 greedy tokens: the native decode step (block kernels, int8 and
+    precise activations) against PyTorch's int4 kernels on the same file, with vLLM's
+    check_logprobs_close criterion."""
+    if QuantMatmulKernel.load() is None:
+        pytest.skip("the native kernels do not build here")
+    common = dict(model=str(default_source.path), dtype="bfloat16", max_model_len=256,
+                  kv_cache_memory_bytes=32 * 2**20)  # fmt: skip
+    native = LLM(**common)
+    torch_kernels = LLM(**common, decode_backend="torch")
+    assert native.llm_engine.runner.decode_path == "native step"
+    assert torch_kernels.llm_engine.runner.decode_path == "torch"
+    questions = [
+        "Name a fruit.",
+        "What is 7 times 8?",
+        "Describe a cat.",
+        "Say hello.",
+        "What is rain?",
+        "Count to five.",
+        "Name a planet.",
+        "Why is the sky blue?",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    got = native.chat(convs, params, use_tqdm=False)
+    want = torch_kernels.chat(convs, params, use_tqdm=False)
+    close = [_close(g.outputs[0], w.outputs[0]) for g, w in zip(got, want, strict=True)]
+    assert all(close), close
+    assert native.llm_engine.runner.native_steps > 0
+
+
 def _teacher_forced_logprobs(llm: LLM, ids: list[int], chunk: int) -> list[float]:
     """Log p(ids[i + 1] | ids[: i + 1]) from the engine's model, `chunk` tokens per forward
     (at most QUANTIZED_MAX_ROWS: the decode-sized path)."""
