@@ -197,6 +197,16 @@ def _close(a, b) -> bool:
     return True
 
 
+def _assert_chats_close(got_llm: LLM, want_llm: LLM, questions: list[str], tokens: int) -> None:
+    """Greedy chats of `tokens` tokens from both engines pass `_close` one by one."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    got = got_llm.chat(convs, params, use_tqdm=False)
+    want = want_llm.chat(convs, params, use_tqdm=False)
+    close = [_close(g.outputs[0], w.outputs[0]) for g, w in zip(got, want, strict=True)]
+    assert all(close), close
+
+
 def test_quantized_decode_matches_dense_on_the_same_file(tmp_path):
     """Same Q4_1 file, int4 decode vs dense bf16 decode; the prefill runs dense in both."""
     _, path = _tiny_gguf(tmp_path, "Q4_1")
@@ -264,12 +274,7 @@ def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
     quantized = LLM(**common)
     dense = LLM(**common, quantization="none")
     assert quantized.llm_engine.quantization == "gguf"
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
-    convs = [[{"role": "user", "content": q}] for q in questions]
-    got = quantized.chat(convs, params, use_tqdm=False)
-    want = dense.chat(convs, params, use_tqdm=False)
-    close = [_close(g.outputs[0], w.outputs[0]) for g, w in zip(got, want, strict=True)]
-    assert all(close), close
+    _assert_chats_close(quantized, dense, questions, 32)
 
 
 def test_native_decode_tracks_pytorchs_kernels_on_the_default_model(default_source):
@@ -294,12 +299,7 @@ def test_native_decode_tracks_pytorchs_kernels_on_the_default_model(default_sour
         "Name a planet.",
         "Why is the sky blue?",
     ]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
-    convs = [[{"role": "user", "content": q}] for q in questions]
-    got = native.chat(convs, params, use_tqdm=False)
-    want = torch_kernels.chat(convs, params, use_tqdm=False)
-    close = [_close(g.outputs[0], w.outputs[0]) for g, w in zip(got, want, strict=True)]
-    assert all(close), close
+    _assert_chats_close(native, torch_kernels, questions, 64)
     assert native.llm_engine.runner.native_steps > 0
 
 

@@ -135,7 +135,6 @@ class StepBinding:
         key_cache = layer_caches[0][0]
         kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         dtype = model.embed_tokens.weight.dtype
-        self.dtype = dtype
         self.vocab = config.vocab_size
         layers = []
         for layer, (keys, values) in zip(model.layers, layer_caches, strict=True):

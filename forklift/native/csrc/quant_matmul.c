@@ -6,8 +6,11 @@
 int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *codes,
                           const uint16_t *d, const uint16_t *m, int64_t n, int precise,
                           void *out, int is_bf16, int num_threads) {
+    /* bf16 rows are widened into (and the result built in) rows * max(k, n) floats; fp32
+     * rows are read and written in place. Either way k more floats for precise residuals. */
+    const int64_t widened = is_bf16 ? rows * (k > n ? k : n) : 0;
     QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
-    float *wide = malloc(sizeof(float) * (size_t)(rows * (k > n ? k : n) + k));
+    float *wide = malloc(sizeof(float) * (size_t)(widened + k));
     int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, k, views);
     if (views == NULL || wide == NULL || scratch == NULL) {
         free(views);
@@ -15,7 +18,7 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
         free(scratch);
         return 1;
     }
-    float *rest = wide + rows * (k > n ? k : n);
+    float *rest = wide + widened;
     if (is_bf16) {
         const uint16_t *src = x;
         for (int64_t i = 0; i < rows * k; i++) wide[i] = bf16_to_float(src[i]);
