@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="quantized decode kernels on a CPU: native C block kernels or torch's "
         "(default auto: native where it builds)",
     )
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (methods: ngram, suffix; default off)',
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -97,6 +103,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         quantization=args.quantization,
         decode_backend=args.decode_backend,
+        speculative_config=args.speculative_config,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

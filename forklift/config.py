@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from forklift.cpu import cpu_has_fast_bf16
+from forklift.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +101,9 @@ class EngineConfig:
     allow_cross_node_tensor_parallel: bool = False
     # Batch-size buckets of captured decode; None = 1, 2, 4, 8, 16, 24, 32, ... max_num_seqs.
     decode_capture_sizes: tuple[int, ...] | None = None
+    # Speculative decoding with vLLM's keys ({"method": "ngram", "num_speculative_tokens": 4,
+    # ...}, or its JSON text); None = off. Parsed into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Per-request limits, checked before a request is queued (a ValueError naming the field;
     # HTTP 400 from the server). They bound the work one request can ask for.
     # Samples per request (`n`): each is a sequence the engine thread creates and schedules.
@@ -166,6 +170,7 @@ class EngineConfig:
                 raise ValueError("decode_capture_sizes must not be empty")
             for size in self.decode_capture_sizes:
                 _positive("decode_capture_sizes", size)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         util = self.gpu_memory_utilization
         if util is not None and not (0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
@@ -206,6 +211,12 @@ class EngineConfig:
     def resolve_prefill_pace_steps(self) -> int | None:
         """The scheduler's pace (None: off)."""
         return self.prefill_pace_steps or None
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (validate() parsed it)."""
+        assert not isinstance(self.speculative_config, dict | str)
+        return self.speculative_config
 
     def resolve_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

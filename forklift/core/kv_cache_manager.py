@@ -158,6 +158,16 @@ class KVCacheManager:
             self.pool.share(block_id)
         self._tables[target_id] = list(shared)
 
+    def release_tail(self, request_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens' to the pool (they held only
+        rejected drafts, so none of them was registered in the prefix cache)."""
+        table = self._tables.get(request_id)
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if table and len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.free(tail)
+
     def free(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
         self._uncacheable.discard(request_id)

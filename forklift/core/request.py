@@ -64,6 +64,9 @@ class Request:
     # Structured outputs: this sequence's place in its grammar. It has consumed every output
     # token, so recompute after preemption leaves it as it is.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: guesses at the tokens after `all_token_ids`, checked in the next
+    # step that decodes this sequence (and dropped if it does not).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable, Sequence
 
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.request import FinishReason, Request, RequestStatus
@@ -146,16 +147,30 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = self._chunk(request, request.num_computed_tokens, budget)
-            if num_new == 0:  # a prefill past this step's prefill budget
-                idx += 1
-                continue
-            if not self._reserve_or_preempt(request, num_new, out):
-                break
-            out.scheduled.append(self._chunk_of(request, num_new))
+            num_drafts = self._drafts_to_verify(request, budget)
+            if num_drafts:
+                num_new = 1 + num_drafts
+                total = request.num_computed_tokens + num_new
+                if not self.kv_manager.allocate_slots(request.request_id, total):
+                    num_drafts = 0  # no room for them: decode one token as without drafts
+            if not num_drafts:
+                num_new = self._chunk(request, request.num_computed_tokens, budget)
+                if num_new == 0:  # a prefill past this step's prefill budget
+                    idx += 1
+                    continue
+                if not self._reserve_or_preempt(request, num_new, out):
+                    break
+            out.scheduled.append(self._chunk_of(request, num_new, num_drafts))
             budget -= num_new
             idx += 1
         return budget
+
+    @staticmethod
+    def _drafts_to_verify(request: Request, budget: int) -> int:
+        """Drafts a decoding request carries into this step, within the token budget."""
+        if not request.draft_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        return min(len(request.draft_token_ids), budget - 1)
 
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Reserve blocks for `request`, preempting the newest running requests if needed.
@@ -216,14 +231,18 @@ class Scheduler:
         request.num_computed_tokens = start
         return self._chunk_of(request, num_new)
 
-    def _chunk_of(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk_of(self, request: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - num_drafts
         top = request.sampling_params.prompt_logprobs
         prompt = request.prompt_token_ids
+        token_ids = request.all_token_ids[start:end]
+        if num_drafts:
+            token_ids += request.draft_token_ids[:num_drafts]
+        request.draft_token_ids = []  # verified now, or stale after this step
         return ScheduledChunk(
             request.request_id,
-            request.all_token_ids[start:end],
+            token_ids,
             start,
             self.kv_manager.block_table(request.request_id),
             max(min(end, request.num_prompt_tokens) - start, 0),
@@ -231,6 +250,7 @@ class Scheduler:
             request.sampling_row() if end == request.num_tokens else None,
             top,
             prompt[start + 1 : min(end, len(prompt) - 1) + 1] if top is not None else (),
+            num_drafts,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -243,30 +263,47 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: Sequence[int | Sequence[int] | None],
+        on_token: Callable[[int, int], bool] | None = None,
+    ) -> list[Request]:
         """Advance each scheduled request; return the ones that finished on a stop token or
-        length. `sampled_token_ids[i]` is None for chunks that do not sample."""
+        length. `sampled_token_ids[i]` is chunk i's token, or the tokens a chunk with drafts
+        yields (its accepted drafts and the target's next token), or None for chunks that do
+        not sample. `on_token(i, j)`, called after chunk i's j-th token is appended (and its
+        stop checked), returns True when the caller ended the sequence there (a stop string):
+        its later tokens are dropped."""
         finished = []
-        for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+        for index, (item, sampled) in enumerate(zip(out.scheduled, sampled_token_ids, strict=True)):
             request = self.requests.get(item.request_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = [] if sampled is None else [sampled] if isinstance(sampled, int) else sampled
+            # Drafts past the first rejected one hold K/V of tokens the sequence never had.
+            num_rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else 0
+            request.num_computed_tokens += item.num_new_tokens - max(num_rejected, 0)
+            computed_ids: Sequence[int] = request.all_token_ids
+            if item.num_draft_tokens:  # the accepted drafts are the tokens about to be added
+                computed_ids = [*computed_ids, *tokens[: len(tokens) - 1]]
             self.kv_manager.cache_full_blocks(
-                request.request_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                request.cache_key,
+                request.request_id, computed_ids, request.num_computed_tokens, request.cache_key
             )
             if request.followers and self._reached_fork(request):
                 self._release_followers(request)
-            if token_id is None:
-                continue
-            request.append_output_token(token_id)
-            reason = request.check_stop_token()
-            if reason is not None:
-                self.finish(request, reason)
-                finished.append(request)
+            for position, token_id in enumerate(tokens):
+                request.append_output_token(token_id)
+                reason = request.check_stop_token()
+                if reason is not None:
+                    self.finish(request, reason)
+                    finished.append(request)
+                stopped = on_token is not None and on_token(index, position)
+                if request.is_finished or stopped:
+                    break
+            if item.num_draft_tokens and not request.is_finished:
+                # Blocks that held only rejected drafts go back to the pool.
+                self.kv_manager.release_tail(request.request_id, request.num_tokens)
         return finished
 
     def _reached_fork(self, leader: Request) -> bool:

@@ -53,6 +53,10 @@ class ScheduledChunk:
     # token each of this chunk's first len(targets) positions predicts (position p: p + 1).
     prompt_logprobs: int | None = None
     prompt_logprob_targets: Sequence[int] = ()
+    # Speculative decoding: the last this-many of `token_ids` are drafts, each position of
+    # the chunk yields the target's token there, and the engine keeps them up to the first
+    # draft the target disagrees with.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -19,7 +19,7 @@ from forklift.core.input_processor import InputProcessor, ProcessedPrompt, Promp
 from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from forklift.core.request import FinishReason, Request
 from forklift.core.scheduler import Scheduler
-from forklift.core.scheduler_output import SchedulerOutput
+from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from forklift.core.state_pool import StatePool
 from forklift.engine.output_processor import (
     OutputProcessor,
@@ -29,12 +29,15 @@ from forklift.engine.output_processor import (
 )
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
+from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
+from forklift.spec_decode.proposer import accepted_prefix, make_proposer
+from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer, load_tokenizer
 
@@ -102,6 +105,8 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
     # (reserved token slots, computed tokens) of every running request.
     running_slots: tuple[tuple[int, int], ...] = ()
+    # Speculative decoding's counters; None when it is off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 class LLMEngine:
@@ -182,6 +187,15 @@ class LLMEngine:
             config.resolve_decode_step_prefill_tokens(),
             config.resolve_prefill_pace_steps(),
         )
+        self.speculation = config.speculation
+        if self.speculation is not None and self.model_config.is_hybrid:
+            raise ValueError(
+                "speculative_config: speculative decoding does not run hybrid "
+                "(linear-attention) models yet: their recurrent state would need rolling back "
+                "past rejected drafts"
+            )
+        self.proposer = make_proposer(self.speculation) if self.speculation else None
+        self.spec_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.input_processor = InputProcessor(
@@ -287,6 +301,16 @@ class LLMEngine:
                 plan.state_bytes / 2**20,
             )
         logger.info("%s", self.runner.quantization_report.summary())
+        spec = self.speculation
+        if spec is not None:
+            logger.info(
+                "speculative decoding: %s, up to %d drafts per sequence and step%s",
+                spec.method,
+                spec.num_speculative_tokens,
+                f" (off at {spec.disable_by_batch_size}+ running sequences)"
+                if spec.disable_by_batch_size
+                else "",
+            )
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -390,9 +414,14 @@ class LLMEngine:
             for sequence in parent.sequences:
                 self.scheduler.finish(sequence.request, FinishReason.ABORT)
                 self._sequences.pop(sequence.request.request_id, None)
+                self._forget_drafts(sequence.request)
             parent.metrics.finished_time = time.time()
             outputs.append(self._output(parent))
         return outputs
+
+    def _forget_drafts(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(request.request_id, request.output_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -420,25 +449,76 @@ class LLMEngine:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
             raise
-        sampled: list[int | None] = [None] * len(sched.scheduled)
-        if result.sampler_output is not None:
-            for row, item in enumerate(result.sampled_items):
-                sampled[item] = result.sampler_output.token_ids[row]
-        self.scheduler.update(sched, sampled)
+        out = result.sampler_output
+        rows_of: list[list[int]] = [[] for _ in sched.scheduled]
+        for row, item in enumerate(result.sampled_items):
+            rows_of[item].append(row)
+        sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
+        if out is not None:
+            for item, rows in enumerate(rows_of):
+                if rows:
+                    sampled[item] = self._accepted_tokens(sched.scheduled[item], rows, out)
+        touched: dict[str, ParentRequest] = {}
+        emitted = 0
+
+        def on_token(item: int, position: int) -> bool:
+            nonlocal emitted
+            assert out is not None
+            emitted += 1
+            parent, sequence = self._sequences[sched.scheduled[item].request_id]
+            stopped = self._process_sample(sequence, out, rows_of[item][position])
+            mark_first_token(parent.metrics)
+            touched[parent.request_id] = parent
+            return stopped
+
+        self.scheduler.update(sched, sampled, on_token)
         for item, scores in result.prompt_scores:
             chunk = sched.scheduled[item]
             parent, _ = self._sequences[chunk.request_id]
             top = chunk.prompt_logprobs or 0
             self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores, top)
-        touched: dict[str, ParentRequest] = {}
-        if result.sampler_output is not None:
-            for row, item in enumerate(result.sampled_items):
-                parent, sequence = self._sequences[sched.scheduled[item].request_id]
-                self._process_sample(sequence, result.sampler_output, row)
-                mark_first_token(parent.metrics)
-                touched[parent.request_id] = parent
-        self._record_step(sched, now, time.perf_counter() - started, len(result.sampled_items))
+        if self.proposer is not None:
+            self._propose()
+        self._record_step(sched, now, time.perf_counter() - started, emitted)
         return [self._emit(parent) for parent in touched.values()]
+
+    def _accepted_tokens(
+        self, chunk: ScheduledChunk, rows: list[int], out: SamplerOutput
+    ) -> int | list[int]:
+        """A chunk's sampled token, or for a chunk with drafts the target's tokens up to and
+        including the first that differs from a draft (all of them if none does)."""
+        if not chunk.num_draft_tokens:
+            return out.token_ids[rows[0]]
+        drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+        targets = [out.token_ids[row] for row in rows]
+        accepted = accepted_prefix(drafts, targets)
+        self.spec_stats.record(len(drafts), accepted)
+        return targets[: accepted + 1]
+
+    def _propose(self) -> None:
+        """Drafts for each decoding sequence's next step. Under `disable_by_batch_size`
+        running sequences, none; with the native step, only as many as keep the step within
+        its rows. Sequences under a grammar decode without drafts."""
+        spec = self.speculation
+        assert spec is not None and self.proposer is not None
+        running = self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+            return
+        spare_rows = None
+        if self.runner.native_step is not None:
+            spare_rows = NATIVE_STEP_MAX_ROWS - len(running)
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1 or request.grammar:
+                continue
+            # The step yields one token past its drafts: keep all of them within max_tokens.
+            room = request.max_tokens - request.num_output_tokens - 1
+            wanted = min(spec.num_speculative_tokens, room)
+            if spare_rows is not None:
+                wanted = min(wanted, spare_rows)
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids, wanted)
+            request.draft_token_ids = drafts
+            if spare_rows is not None:
+                spare_rows -= len(drafts)
 
     def _record_step(
         self, sched: SchedulerOutput, start: float, duration: float, sampled: int
@@ -460,7 +540,9 @@ class LLMEngine:
             )
         )
 
-    def _process_sample(self, sequence: OutputSequence, out: SamplerOutput, row: int) -> None:
+    def _process_sample(self, sequence: OutputSequence, out: SamplerOutput, row: int) -> bool:
+        """Record one appended token; True when a stop string or a complete grammar ended
+        the sequence on it."""
         request = sequence.request
         top = None
         if out.top_ids is not None:
@@ -484,6 +566,7 @@ class LLMEngine:
             else:
                 self.scheduler.finish(request, FinishReason.STOP)
             request.stop_reason = stop
+        return hit_stop or grammar_done
 
     @staticmethod
     def _advance_grammar(request: Request, token_id: int) -> bool:
@@ -509,6 +592,7 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for sequence in parent.sequences:
                 self._sequences.pop(sequence.request.request_id, None)
+                self._forget_drafts(sequence.request)
         return self._output(parent)
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
@@ -610,6 +694,7 @@ class LLMEngine:
             num_usable_blocks=self.num_usable_blocks,
             prefix_cache=self.prefix_cache_stats(),
             running_slots=slots,
+            spec_decode=self.spec_stats.snapshot() if self.speculation else None,
         )
 
     @property

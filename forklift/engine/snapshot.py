@@ -136,8 +136,25 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "prefill_pace_steps": engine.scheduler.prefill_pace_steps,
         "max_model_len": engine.max_model_len,
         "prefix_caching": engine.kv_manager.enable_prefix_caching,
+        "speculative": _speculation(engine),
         "weight_version": engine.weight_version,
         "sleep_level": engine.sleep_level,
+    }
+
+
+def _speculation(engine: LLMEngine) -> dict[str, Any] | None:
+    """The method and its counters so far (the mean acceptance length the page shows)."""
+    spec = engine.speculation
+    if spec is None:
+        return None
+    stats = engine.spec_stats
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": stats.mean_acceptance_length,
     }
 
 

@@ -40,6 +40,7 @@ from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
+from forklift.runner.draft_rows import expand_draft_rows
 from forklift.runner.linear_metadata import build_linear_metadata
 from forklift.runner.memory import (
     RECURRENT_STATE_DTYPE,
@@ -83,7 +84,8 @@ class StepInputs:
 
 @dataclass
 class StepResult:
-    # Index into the scheduled list of each row of `sampler_output`.
+    # Index into the scheduled list of each row of `sampler_output` (a chunk with drafts
+    # has one row per position, in order).
     sampled_items: list[int]
     sampler_output: SamplerOutput | None
     # (index into the scheduled list, its rows of scores) for chunks scoring their prompt.
@@ -407,21 +409,24 @@ class ModelRunner:
         scheduled: list[ScheduledChunk],
         state_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
-        native = self._runs_native_step(scheduled)
-        key = None if native else self._capture_key(scheduled)
+        rows, chunk_of = expand_draft_rows(scheduled)
+        native = self._runs_native_step(rows)
+        key = None if native else self._capture_key(rows)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
         inputs = self.prepare_inputs(
-            scheduled, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
+            rows, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
         )
-        sampled_items = [i for i, item in enumerate(scheduled) if item.samples]
+        sampled_items = [chunk_of[i] for i, row in enumerate(rows) if row.samples]
         logits, scores = self.forward_step(inputs, key, native)
-        prompt_scores = split_prompt_scores(scheduled, scores) if scores is not None else []
+        prompt_scores = []
+        if scores is not None:
+            prompt_scores = [(chunk_of[i], s) for i, s in split_prompt_scores(rows, scores)]
         if logits is None:
             return StepResult([], None, prompt_scores)
         with torch.inference_mode():
-            rows = [row for item in scheduled if (row := item.sampling) is not None]
-            batch = SamplingBatch.from_rows(rows, self.device, logits.shape[1])
+            sampling = [row for item in rows if (row := item.sampling) is not None]
+            batch = SamplingBatch.from_rows(sampling, self.device, logits.shape[1])
             return StepResult(sampled_items, sample(logits, batch), prompt_scores)
 
     @mirrored

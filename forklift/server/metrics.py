@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from forklift.engine.engine import LLMEngine
 from forklift.outputs import RequestOutput
 from forklift.server.status_history import StatusHistory
+from forklift.spec_decode.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -33,6 +34,7 @@ class ServerMetrics:
     _seen_prefix_queries: int = 0
     _seen_prefix_hits: int = 0
     _seen_step: int = 0
+    _seen_spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # The status page's charts: the last minutes in buckets.
     history: StatusHistory = field(default_factory=StatusHistory)
 
@@ -55,6 +57,22 @@ class ServerMetrics:
         )
         self.prefix_hits = Counter(
             "forklift:prefix_cache_hits", "Tokens found in the prefix cache", registry=r
+        )
+        # Speculative decoding, with vLLM's names (they stay at 0 while it is off).
+        self.spec_drafts = Counter(
+            "forklift:spec_decode_num_drafts", "Verifications of drafts", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "forklift:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "forklift:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.spec_accepted_per_position = Counter(
+            "forklift:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            ["position"],
+            registry=r,
         )
         self.finished = Counter(
             "forklift:request_success",
@@ -80,6 +98,8 @@ class ServerMetrics:
         if new_preemptions:
             self.preemptions.inc(new_preemptions)
             self._seen_preemptions = stats.num_preemptions
+        if stats.spec_decode is not None:
+            self._observe_spec(stats.spec_decode)
         prefix = stats.prefix_cache
         new_queries = prefix.query_tokens - self._seen_prefix_queries
         new_hits = prefix.hit_tokens - self._seen_prefix_hits
@@ -105,6 +125,18 @@ class ServerMetrics:
             self._seen_step = step.index
         for output in outputs:
             self._observe_output(output, now)
+
+    def _observe_spec(self, spec: SpecDecodeStats) -> None:
+        seen = self._seen_spec
+        self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.accepted_per_position
+        for position, count in enumerate(spec.accepted_per_position):
+            new = count - (before[position] if position < len(before) else 0)
+            if new:
+                self.spec_accepted_per_position.labels(position=str(position)).inc(new)
+        self._seen_spec = spec
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         progress = self._progress.setdefault(output.request_id, _Progress())

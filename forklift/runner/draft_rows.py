@@ -1,0 +1,46 @@
+"""A chunk carrying drafts becomes one decode row per position, so verification rides on the
+decode path (the native step included): every row writes its K/V before any row attends, and
+row j attends to the cache up to its own position, which is causal attention over the chunk.
+Row j samples as the sequence would after the drafts before it, so its token is exactly
+what decoding without speculation would draw there once those drafts are accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from forklift.core.scheduler_output import ScheduledChunk
+
+
+def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+    """The step's chunks with each draft-carrying chunk split into rows, and for each row the
+    index of the chunk it came from. Steps without drafts come back as they are."""
+    if not any(chunk.num_draft_tokens for chunk in scheduled):
+        return scheduled, list(range(len(scheduled)))
+    rows: list[ScheduledChunk] = []
+    chunk_of: list[int] = []
+    for index, chunk in enumerate(scheduled):
+        if not chunk.num_draft_tokens:
+            rows.append(chunk)
+            chunk_of.append(index)
+            continue
+        sampling = chunk.sampling
+        assert sampling is not None and chunk.num_new_tokens == chunk.num_draft_tokens + 1
+        drafts = list(chunk.token_ids[1:])
+        for position, token_id in enumerate(chunk.token_ids):
+            row_sampling = sampling
+            if position:
+                outputs = [*sampling.output_token_ids, *drafts[:position]]
+                row_sampling = dataclasses.replace(sampling, output_token_ids=outputs)
+            rows.append(
+                ScheduledChunk(
+                    chunk.request_id,
+                    [token_id],
+                    chunk.start + position,
+                    chunk.block_table,
+                    0,
+                    chunk.state_slot,
+                    row_sampling,
+                )
+            )
+            chunk_of.append(index)
+    return rows, chunk_of

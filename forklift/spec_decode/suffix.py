@@ -1,0 +1,172 @@
+"""Suffix decoding (Arctic Inference's idea): tries counting every short run of tokens in this
+request (prompt and output) and in recent requests' outputs. The longest run that ends the
+sequence is looked up, and the most frequent continuation is proposed for as long as its
+estimated chance stays high. Repeated agent loops and templated answers speculate long runs.
+
+A trie of depth D holds every substring of at most D tokens with its count; the match and the
+drafts together fit in D, as in vLLM's `suffix_decoding_max_tree_depth`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        # Most nodes are leaves: their dict is made on the first child.
+        self.children: dict[int, _Node] | None = None
+
+    def child(self, token_id: int) -> _Node | None:
+        return None if self.children is None else self.children.get(token_id)
+
+    def add_child(self, token_id: int) -> _Node:
+        if self.children is None:
+            self.children = {}
+        node = self.children.get(token_id)
+        if node is None:
+            node = self.children[token_id] = _Node()
+        return node
+
+
+class SuffixTrie:
+    """Counts of every substring of up to `depth` tokens of the sequences added to it."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+
+    def extend(self, open_nodes: list[_Node], token_ids: Sequence[int]) -> list[_Node]:
+        """Add tokens after the substrings ending at `open_nodes` (longest first, each one
+        token shorter than the one before), returning the new open nodes."""
+        keep = self.depth - 1
+        for token_id in token_ids:
+            grown = [node.add_child(token_id) for node in open_nodes]
+            grown.append(self.root.add_child(token_id))
+            for node in grown:
+                node.count += 1
+            open_nodes = grown[-keep:] if len(grown) > keep else grown
+        return open_nodes
+
+    def remove(self, token_ids: Sequence[int]) -> None:
+        """Undo `extend` over a whole sequence: every substring it counted loses one."""
+        for start in range(len(token_ids)):
+            node = self.root
+            for token_id in token_ids[start : start + self.depth]:
+                child = node.child(token_id)
+                if child is None:
+                    break
+                child.count -= 1
+                if child.count <= 0:
+                    assert node.children is not None
+                    del node.children[token_id]
+                    break
+                node = child
+
+    def match(self, token_ids: Sequence[int]) -> _Node | None:
+        node: _Node | None = self.root
+        for token_id in token_ids:
+            node = node.child(token_id)
+            if node is None:
+                return None
+        return node
+
+
+@dataclass
+class _Proposal:
+    token_ids: list[int] = field(default_factory=list)
+    # Sum of the drafts' estimated chances: the tokens a verification is expected to accept.
+    score: float = 0.0
+
+
+@dataclass
+class _RequestState:
+    trie: SuffixTrie
+    open_nodes: list[_Node] = field(default_factory=list)
+    num_added: int = 0
+
+
+class SuffixProposer:
+    def __init__(
+        self, depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float
+    ) -> None:
+        self.depth = depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_trie = SuffixTrie(depth)
+        self._cached: OrderedDict[str, list[int]] = OrderedDict()
+        self._requests: dict[str, _RequestState] = {}
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState(SuffixTrie(self.depth))
+        if state.num_added < len(token_ids):
+            new = token_ids[state.num_added :]
+            state.open_nodes = state.trie.extend(state.open_nodes, new)
+            state.num_added = len(token_ids)
+        if max_tokens <= 0:
+            return []
+        # The request's own trie also holds the tail being looked up: `own` discounts it.
+        best = self._best(state.trie, token_ids, max_tokens, own=True)
+        other = self._best(self.global_trie, token_ids, max_tokens, own=False)
+        return (other if other.score > best.score else best).token_ids
+
+    def _best(
+        self, trie: SuffixTrie, token_ids: Sequence[int], max_tokens: int, own: bool
+    ) -> _Proposal:
+        best = _Proposal()
+        longest = min(self.depth - 1, len(token_ids))
+        for length in range(longest, 0, -1):
+            limit = min(max_tokens, self.depth - length, int(self.max_spec_factor * length) or 1)
+            if best.score >= limit:
+                break  # no shorter match can propose more
+            node = trie.match(token_ids[len(token_ids) - length :])
+            if node is None:
+                continue
+            proposal = self._follow(node, limit, discount=1 if own else 0)
+            if proposal.score > best.score:
+                best = proposal
+        return best
+
+    def _follow(self, node: _Node, limit: int, discount: int) -> _Proposal:
+        """The most frequent continuation from `node`, while its chance stays high enough.
+        `discount`: occurrences of the match that are the sequence's own tail, which has no
+        continuation yet (in the request's own trie, the match itself is one of them)."""
+        proposal = _Proposal()
+        chance = 1.0
+        while len(proposal.token_ids) < limit and node.children:
+            token_id, child = max(node.children.items(), key=lambda item: item[1].count)
+            seen = node.count - discount
+            if seen <= 0:
+                break
+            chance *= child.count / seen
+            if chance < self.min_token_prob:
+                break
+            proposal.token_ids.append(token_id)
+            proposal.score += chance
+            node, discount = child, 0
+        return proposal
+
+    def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        self._requests.pop(request_id, None)
+        if self.max_cached_requests == 0 or not output_token_ids:
+            return
+        if request_id in self._cached:  # an id reused after its first run ended
+            self.global_trie.remove(self._cached.pop(request_id))
+        tokens = list(output_token_ids)
+        self.global_trie.extend([], tokens)
+        self._cached[request_id] = tokens
+        while len(self._cached) > self.max_cached_requests:
+            _, evicted = self._cached.popitem(last=False)
+            self.global_trie.remove(evicted)
+
+    @property
+    def num_cached_requests(self) -> int:
+        return len(self._cached)
