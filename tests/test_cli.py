@@ -75,6 +75,19 @@ def test_chat_streams_replies_and_keeps_history(default_source):
     assert "Rome" in transcript
 
 
+def test_a_bad_speculative_config_exits_2_naming_the_key():
+    bad = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mx": 3}'
+    result = subprocess.run(
+        [*forklift_command(), "generate", "--prompt", "hi", "--speculative-config", bad],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "prompt_lookup_mx" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_enforce_eager_flag_reaches_the_engine_config():
     import argparse
 
