@@ -107,6 +107,12 @@ BENCHMARKS = (
         commands.structured_command,
         chart=False,
     ),
+    Benchmark(
+        "spec",
+        "speculative decoding vs none, and vs llama-server's n-gram modes",
+        commands.add_spec_args,
+        commands.spec_command,
+    ),
 )
 
 

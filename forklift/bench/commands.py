@@ -445,3 +445,45 @@ def structured_command(args: argparse.Namespace) -> int:
     command = _command("structured", args.quick) + _given(args, "model", "batch_sizes")
     _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0
+
+
+# ---- spec ---------------------------------------------------------------------------------
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument(
+        "--llama-server", default=None, help="llama.cpp's llama-server: its n-gram modes too"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="llama-server -t / -tb")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--grounded-concurrency", default=None, help="comma-separated levels")
+    parser.add_argument("--chat-concurrency", default=None, help="comma-separated levels")
+    parser.add_argument(
+        "--method",
+        action="append",
+        default=None,
+        help="a forklift --speculative-config JSON, or none (repeatable; default: none, "
+        "ngram and suffix)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few tokens, about a minute")
+
+
+def spec_command(args: argparse.Namespace) -> int:
+    from forklift.bench.spec import SpecSettings, render_markdown, run_spec_bench, write_report
+
+    overrides: dict[str, Any] = {"model": args.model, "llama_server": args.llama_server}
+    overrides |= _set(args, "threads", "max_tokens")
+    for flag in ("grounded_concurrency", "chat_concurrency"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = positive_ints(getattr(args, flag), f"--{flag.replace('_', '-')}")
+    if args.method:
+        overrides["forklift_methods"] = tuple(args.method)
+    settings = (SpecSettings.quick if args.quick else SpecSettings)(**overrides)
+    report = run_spec_bench(settings)
+    command = _command("spec", args.quick)
+    command += _given(args, "model", "threads", "max_tokens", "grounded_concurrency",
+                      "chat_concurrency")  # fmt: skip
+    command += ["--llama-server", "llama-server"] if args.llama_server else []
+    command += [f"--method={method}" for method in args.method or ()]
+    _publish(report, command, args.out_dir, write_report, render_markdown)
+    failed = sum(len(point["errors"]) for point in report["points"])
+    return 1 if failed else 0

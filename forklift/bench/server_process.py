@@ -41,7 +41,12 @@ def forklift_server_process(
 
 @contextmanager
 def llama_server_process(
-    binary: str, gguf: Path, threads: int, slots: int = 8, startup_timeout_s: float = 300.0
+    binary: str,
+    gguf: Path,
+    threads: int,
+    slots: int = 8,
+    startup_timeout_s: float = 300.0,
+    extra_args: list[str] | None = None,
 ) -> Iterator[tuple[str, int]]:
     """llama.cpp's server on the same GGUF file, with the settings that are fair to it on a
     small CPU: `slots` continuous-batching slots of 1,024 tokens each, no prompt cache in RAM,
@@ -50,7 +55,7 @@ def llama_server_process(
     command = [
         binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
         "-c", str(1024 * slots), "-np", str(slots), "--cache-ram", "0", "-fa", "off",
-        "--no-webui", "--host", "127.0.0.1", "--port", str(port),
+        "--no-webui", "--host", "127.0.0.1", "--port", str(port), *(extra_args or []),
     ]  # fmt: skip
     with _running(command, port, startup_timeout_s, "llama-server") as started:
         yield started
