@@ -25,6 +25,7 @@ import torch
 from forklift.bench.report import cpu_flags, markdown_table, subplots, write_report_files
 from forklift.bench.server_process import forklift_server_process, llama_server_process
 from forklift.bench.spec_workload import WORKLOADS
+from forklift.bench.stream_client import sse_payloads
 from forklift.checkpoint.source import resolve_model
 
 FORKLIFT_METHODS = (
@@ -64,11 +65,21 @@ class SpecPoint:
     output_tokens: int
     seconds: float
     output_tokens_per_s: float
+    # After each request's first token: tokens and seconds (what speculation speeds up;
+    # a request's prefill is in its time to first token).
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     # forklift: verifications (llama-server does not report them).
     drafts: int | None = None
     errors: list[str] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Per stream: decode tokens over the summed decode time of the requests."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -108,11 +119,20 @@ def run_spec_bench(settings: SpecSettings) -> dict[str, Any]:
 
 
 def _mode_name(method: str) -> str:
-    return "none" if method == "none" else json.loads(method)["method"]
+    """ "none", or the method with its drafts per step and any other key given."""
+    if method == "none":
+        return "none"
+    config = json.loads(method)
+    name = config.pop("method")
+    drafts = config.pop("num_speculative_tokens", None)
+    extra = "".join(f" {key}={value}" for key, value in config.items())
+    return f"{name} k={drafts}{extra}" if drafts is not None else f"{name}{extra}"
 
 
 def _derived(point: SpecPoint) -> dict[str, Any]:
     return {
+        "decode_tokens_per_s": point.decode_tokens_per_s,
+        "mean_ttft_s": sum(point.ttft_s) / len(point.ttft_s) if point.ttft_s else None,
         "acceptance_rate": point.acceptance_rate,
         "mean_acceptance_length": point.mean_acceptance_length,
     }
@@ -168,26 +188,51 @@ async def _one_level(
                 "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": settings.max_tokens,
                 "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
             try:
-                response = await client.post("/v1/chat/completions", json=body)
-                reply = response.json()
-                if response.status_code != 200:
-                    point.errors.append(f"HTTP {response.status_code}: {str(reply)[:200]}")
-                    continue
-            except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                await _one_request(client, body, point)
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
                 point.errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            point.output_tokens += int(reply["usage"]["completion_tokens"])
-            timings = reply.get("timings") or {}  # llama-server's own counters
-            point.draft_tokens += int(timings.get("draft_n", 0))
-            point.accepted_tokens += int(timings.get("draft_n_accepted", 0))
 
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         await asyncio.gather(*(worker(client) for _ in range(point.concurrency)))
     point.seconds = time.perf_counter() - started
     point.output_tokens_per_s = point.output_tokens / point.seconds
+
+
+async def _one_request(client: httpx.AsyncClient, body: dict[str, Any], point: SpecPoint) -> None:
+    """One streamed request: its tokens, its decode time (first token to last) and, from
+    llama-server, its draft counters."""
+    started = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:200]
+            point.errors.append(f"HTTP {response.status_code}: {detail}")
+            return
+        async for chunk in sse_payloads(response):
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings  # llama-server's own counters
+    if first is None or last is None:
+        point.errors.append("the stream carried no tokens")
+        return
+    tokens = int(usage["completion_tokens"])
+    point.output_tokens += tokens
+    point.ttft_s.append(first - started)
+    if tokens > 1:
+        point.decode_tokens += tokens - 1
+        point.decode_seconds += last - first
+    point.draft_tokens += int(timings.get("draft_n", 0))
+    point.accepted_tokens += int(timings.get("draft_n_accepted", 0))
 
 
 def _forklift_counters(base_url: str) -> tuple[int, int, int]:
@@ -207,27 +252,32 @@ def _forklift_counters(base_url: str) -> tuple[int, int, int]:
 
 def summarize(points: list[SpecPoint]) -> list[dict[str, Any]]:
     """Per workload and concurrency: each forklift method's speed-up over forklift without
-    speculation, and the best forklift method against llama-server's best n-gram mode."""
+    speculation (output tok/s over the wall time; decode tok/s per stream), and the best
+    forklift method against llama-server's best n-gram mode on both."""
     rows = []
-    levels = sorted({(p.workload, p.concurrency) for p in points})
-    for workload, concurrency in levels:
+    for workload, concurrency in sorted({(p.workload, p.concurrency) for p in points}):
         here = [p for p in points if (p.workload, p.concurrency) == (workload, concurrency)]
-        ours = {p.mode: p.output_tokens_per_s for p in here if p.engine == "forklift"}
-        peer = {p.mode: p.output_tokens_per_s for p in here if p.engine == "llama-server"}
-        base = ours.get("none")
-        best_mode = max((m for m in ours if m != "none"), key=ours.__getitem__, default=None)
-        peer_spec = {m: v for m, v in peer.items() if m != "none"}
-        peer_best = max(peer_spec, key=peer_spec.__getitem__, default=None)
+        ours = {p.mode: p for p in here if p.engine == "forklift"}
+        peer = {p.mode: p for p in here if p.engine == "llama-server"}
         row: dict[str, Any] = {"workload": workload, "concurrency": concurrency}
-        for mode, value in ours.items():
-            if mode != "none" and base:
-                row[f"{mode}_speedup"] = value / base
-        if best_mode is not None and peer_best is not None:
-            row["best_forklift"] = best_mode
-            row["best_llama_server"] = peer_best
-            row["vs_llama_server_best"] = ours[best_mode] / peer_spec[peer_best]
-        if base and "none" in peer:
-            row["none_vs_llama_server_none"] = base / peer["none"]
+        base = ours.get("none")
+        for mode, point in ours.items():
+            if mode != "none" and base is not None and base.output_tokens_per_s:
+                row[f"{mode}: output"] = point.output_tokens_per_s / base.output_tokens_per_s
+                row[f"{mode}: decode"] = point.decode_tokens_per_s / base.decode_tokens_per_s
+        speculating = [p for m, p in ours.items() if m != "none"]
+        peer_speculating = [p for m, p in peer.items() if m != "none"]
+        if speculating and peer_speculating:
+            best = max(speculating, key=lambda p: p.output_tokens_per_s)
+            peer_best = max(peer_speculating, key=lambda p: p.output_tokens_per_s)
+            row["best forklift"] = best.mode
+            row["best llama-server"] = peer_best.mode
+            row["best vs best: output"] = best.output_tokens_per_s / peer_best.output_tokens_per_s
+            row["best vs best: decode"] = best.decode_tokens_per_s / peer_best.decode_tokens_per_s
+        if base is not None and "none" in peer:
+            row["none vs none: output"] = (
+                base.output_tokens_per_s / peer["none"].output_tokens_per_s
+            )
         rows.append(row)
     return rows
 
@@ -238,18 +288,23 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Model `{report['model']}`, greedy chat requests of at most "
         f"{report['settings']['max_tokens']} tokens, {report['threads']} threads; one server at "
-        "a time, every prompt of the workload once per level.",
+        "a time, every prompt of the workload once per level, streamed. Output tok/s: all "
+        "output tokens over the level's wall time (prefills included); decode tok/s per "
+        "stream: tokens after each request's first over the time they took (what "
+        "speculation changes).",
         f"CPU flags: {' '.join(report['cpu_flags'])}",
         "",
     ]
-    header = ["engine", "mode", "workload", "c", "output tok/s", "tokens", "acceptance rate",
-              "mean acceptance length", "errors"]  # fmt: skip
+    header = ["engine", "mode", "workload", "c", "output tok/s", "decode tok/s per stream",
+              "mean TTFT (s)", "tokens", "acceptance rate", "mean acceptance length",
+              "errors"]  # fmt: skip
     rows = []
     for p in report["points"]:
         rate, length = p["acceptance_rate"], p["mean_acceptance_length"]
         rows.append([
             p["engine"], p["mode"], p["workload"], p["concurrency"],
-            f"{p['output_tokens_per_s']:.1f}", p["output_tokens"],
+            f"{p['output_tokens_per_s']:.1f}", f"{p['decode_tokens_per_s']:.1f}",
+            "-" if p["mean_ttft_s"] is None else f"{p['mean_ttft_s']:.2f}", p["output_tokens"],
             "-" if rate is None else f"{rate:.2f}", "-" if length is None else f"{length:.2f}",
             len(p["errors"]),
         ])  # fmt: skip
