@@ -57,6 +57,31 @@ static void rms_norm(const float *x, const void *weight, int64_t n, float eps, i
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * load_value(weight, i, is_bf16);
 }
 
+/* act = silu(gate) * up over n values, with exp taken of -|g| only (no overflow); sixteen
+ * lanes at a time. `act` may be `gate`. */
+static void silu_mul(const float *gate, const float *up, int64_t n, float *act) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        float16_vector g, u;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&u, up + i, sizeof u);
+        const int16_vector negative = g < 0.0f;
+        const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
+        const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)g | sign_bit));
+        const float16_vector one = e - e + 1.0f;
+        /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below */
+        const float16_vector numerator =
+            (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
+        const float16_vector result = g * (numerator / (one + e)) * u;
+        memcpy(act + i, &result, sizeof result);
+    }
+    for (; i < n; i++) {
+        const float g = gate[i], e = exp_nonpositive(-fabsf(g));
+        const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        act[i] = g * sigmoid * up[i];
+    }
+}
+
 /* Rotate-half rotary on the first `rotary_dim` values of one head. */
 static inline void rotate(float *head, const float *cos, const float *sin, int64_t rotary_dim) {
     const int64_t half = rotary_dim / 2;
@@ -67,27 +92,66 @@ static inline void rotate(float *head, const float *cos, const float *sin, int64
     }
 }
 
+/* Attention tasks: runs of consecutive rows reading the same blocks (a sequence's rows
+ * verifying its drafts share every key and value row loaded), cut into pieces so that the
+ * threads get at least two tasks each where the rows allow, times the KV heads. first[i]
+ * and length[i] describe piece i; returns the number of pieces. */
+static int64_t attention_pieces(const int64_t *blocks, int64_t rows, int64_t table_width,
+                                int64_t kv_heads, int num_threads, int64_t *first,
+                                int64_t *length) {
+    int64_t runs = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *table = blocks + r * table_width;
+        if (r > 0 && memcmp(table, table - table_width, sizeof(int64_t) * table_width) == 0) {
+            length[runs - 1]++;
+        } else {
+            first[runs] = r;
+            length[runs++] = 1;
+        }
+    }
+    const int64_t wanted = 2 * (int64_t)num_threads;
+    int64_t pieces = runs;
+    /* Halve the longest pieces until there are enough tasks (or every piece is one row). */
+    while (pieces * kv_heads < wanted) {
+        int64_t longest = 0;
+        for (int64_t i = 1; i < pieces; i++)
+            if (length[i] > length[longest]) longest = i;
+        if (length[longest] < 2) break;
+        const int64_t half = length[longest] / 2;
+        first[pieces] = first[longest] + length[longest] - half;
+        length[pieces++] = half;
+        length[longest] -= half;
+    }
+    return pieces;
+}
+
 static void attention(const StepModel *m, const StepLayer *layer, const float *q, int64_t rows,
                       const int64_t *blocks, int64_t table_width, const float *bias,
                       float *out, int num_threads, int *failed) {
-    const int64_t tasks = rows * m->kv_heads;
+    int64_t first[rows], length[rows];
+    const int64_t pieces = attention_pieces(blocks, rows, table_width, m->kv_heads,
+                                            num_threads, first, length);
+    const int64_t tasks = pieces * m->kv_heads;
     int task_failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : task_failed)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t seq = task / m->kv_heads, kv_head = task % m->kv_heads;
+        const int64_t piece = task / m->kv_heads, kv_head = task % m->kv_heads;
+        const int64_t row = first[piece], count = length[piece];
         if (m->head_dim == 64 && m->is_bf16)
-            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
-                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
-                                      m->block_size, 64, table_width, m->scale, 1, 0);
+            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
+                                       out, row, count, kv_head, m->heads, m->kv_heads,
+                                       m->num_blocks, m->block_size, 64, table_width, m->scale,
+                                       1, 0);
         else if (m->head_dim == 128 && m->is_bf16)
-            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
-                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
-                                      m->block_size, 128, table_width, m->scale, 1, 0);
+            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
+                                       out, row, count, kv_head, m->heads, m->kv_heads,
+                                       m->num_blocks, m->block_size, 128, table_width,
+                                       m->scale, 1, 0);
         else
-            task_failed |= attend_one(q, layer->key_cache, layer->value_cache, blocks, bias, out,
-                                      seq, kv_head, m->heads, m->kv_heads, m->num_blocks,
-                                      m->block_size, m->head_dim, table_width, m->scale,
-                                      m->is_bf16, 0);
+            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
+                                       out, row, count, kv_head, m->heads, m->kv_heads,
+                                       m->num_blocks, m->block_size, m->head_dim, table_width,
+                                       m->scale, m->is_bf16, 0);
     }
     *failed |= task_failed;
 }
@@ -188,15 +252,9 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16,
                      normed + r * hidden);
         TIMED(0, quant_matmul_rows(&layer->gate_up, normed, rows, views, rest, gate_up, num_threads));
-        for (int64_t r = 0; r < rows; r++) {
-            const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
-            float *act = activated + r * inter;
-            for (int64_t i = 0; i < inter; i++) { /* silu(g) * up, exp of -|g| only */
-                const float g = gate[i], e = exp_nonpositive(-fabsf(g));
-                const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-                act[i] = g * sigmoid * up[i];
-            }
-        }
+        for (int64_t r = 0; r < rows; r++)
+            silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter,
+                     activated + r * inter);
         TIMED(0, quant_matmul_rows(&layer->down, activated, rows, views, rest, normed, num_threads));
         for (int64_t i = 0; i < rows * hidden; i++) residual[i] += normed[i];
     }

@@ -1,13 +1,17 @@
 /* Decode attention (one query per sequence) straight from the paged KV cache.
  *
- * One task per (sequence, KV head): the task's G = H / Hkv query heads share every key and
- * value row it loads, each row is widened to fp32 once, scores and sums stay in fp32, and
- * masked positions (bias -inf: padding, outside a sliding window) are never loaded. Tasks
+ * One task per (rows of one sequence, KV head): the rows' G = H / Hkv query heads each share
+ * every key and value row the task loads (a decode row alone, or the rows verifying a
+ * sequence's drafts together), each row is widened to fp32 once, scores and sums stay in
+ * fp32, and masked positions (bias -inf: padding, outside a sliding window, past a row's
+ * own position) count nothing; positions no row attends to are never loaded. Tasks
  * run on OpenMP threads; the library is linked against the OpenMP runtime torch already
  * loaded, so both share one thread pool.
  *
  * Shapes (row-major, contiguous): q [S, H, D]; key/value cache [Hkv, NB, BS, D];
- * blocks [S, nb] int64 block ids; bias [S, nb * BS] float32; out [S, H, D].
+ * blocks [S, nb] int64 block ids; bias [S, nb * BS] float32; out [S, H, D]. Scores, maxima
+ * and sums are per query vector in the same order whoever shares its task, so a row's
+ * result never depends on the rows beside it (speculation's lossless greedy rests on it).
  */
 #ifndef FORKLIFT_PAGED_ATTENTION_H
 #define FORKLIFT_PAGED_ATTENTION_H
@@ -34,7 +38,7 @@ static inline float exp_nonpositive(float x) {
 
 /* Rows are fetched this many positions ahead: blocks lie anywhere in the cache, so the
  * hardware prefetcher loses the stream at every block boundary. */
-#define PREFETCH_AHEAD 8
+#define PREFETCH_AHEAD 48
 
 static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes) {
     const char *start = head + (size_t)slot * row_bytes;
@@ -47,59 +51,94 @@ typedef float float16_vector __attribute__((vector_size(64)));
 typedef int32_t int16_vector __attribute__((vector_size(64)));
 #if defined(__clang__)
 #define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE(v, ...) __builtin_shuffle(v, (int16_vector){__VA_ARGS__})
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (int16_vector){__VA_ARGS__})
 #endif
 
-/* The dot product of two rows of n floats. Sixteen running sums end in a four-step shuffle
- * tree: the compiler's own reduction of a vectorised loop ends in a chain of scalar adds,
- * which was the kernel's critical path. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    if (n % 16 != 0) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
-        return sum;
-    }
-    float16_vector acc = {0};
-    for (int64_t i = 0; i < n; i += 16) {
-        float16_vector x, y;
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        acc += x * y;
-    }
-    acc += SHUFFLE(acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    acc += SHUFFLE(acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    acc += SHUFFLE(acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    acc += SHUFFLE(acc, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return acc[0];
+typedef uint16_t uint16_16_vector __attribute__((vector_size(32)));
+
+/* Sixteen bf16 values widened to fp32 (a zero-extend and a shift, no trip through memory). */
+static inline float16_vector widen_bf16(const uint16_t *src) {
+    uint16_16_vector raw;
+    memcpy(&raw, src, sizeof raw);
+    const int16_vector bits = __builtin_convertvector(raw, int16_vector) << 16;
+    return (float16_vector)bits;
 }
 
-/* acc[h] = sum_t p[h, t] * V[t] for query heads h in [first, first + pass) of the task
- * (heads past `group` get zero weights), with the pass's sums held in registers: head_dim
- * and pass are constants at each call site once inlined. */
+/* exp_nonpositive on sixteen lanes at once, lanes holding -inf giving exactly 0: the same
+ * polynomial, with n rounded to nearest (even) instead of floor(x log2 e + 1/2), which
+ * keeps |r| <= ln2 / 2. */
+static inline float16_vector exp_nonpositive16(float16_vector x) {
+    const int16_vector finite = x != -INFINITY;
+    const int16_vector clamp = x < -87.0f; /* C has no vector ?:, so select by bits */
+    const float16_vector low = {0};
+    x = (float16_vector)(((int16_vector)(low - 87.0f) & clamp) | ((int16_vector)x & ~clamp));
+    const float magic = 12582912.0f;
+    const float16_vector n = (x * 1.44269504f + magic) - magic;
+    const float16_vector r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float16_vector p = r * 1.98756912e-4f + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666657e-1f;
+    p = p * r + 5.0e-1f;
+    p = p * r * r + r + 1.0f;
+    const int16_vector scale = (__builtin_convertvector(n, int16_vector) + 127) << 23;
+    return (float16_vector)((int16_vector)(p * (float16_vector)scale) & finite);
+}
+
+/* The dot product of two rows of n floats, for head sizes that are not a multiple of 16. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* The four sums of four 16-lane vectors at once, as lanes 0, 4, 8 and 12 of the result:
+ * three shuffle-and-add levels serve four dot products (a tree per vector would take four
+ * each). Every vector's lanes are added in the same order whichever slot it has, so a
+ * score never depends on the positions computed beside it. */
+static inline float16_vector sum4(float16_vector a0, float16_vector a1, float16_vector a2,
+                                  float16_vector a3) {
+    const float16_vector t0 = SHUFFLE2(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+                              SHUFFLE2(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                       28, 29, 30, 31);
+    const float16_vector t1 = SHUFFLE2(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+                              SHUFFLE2(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                       28, 29, 30, 31);
+    const float16_vector u = SHUFFLE2(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                      26, 27) +
+                             SHUFFLE2(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                      29, 30, 31);
+    const float16_vector v = u + SHUFFLE(u, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return v + SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+/* acc[j] = sum_t p[j, t] * V[t] for query vectors j in [first, first + pass) (vectors past
+ * `count` get zero weights), over the live positions only, with the pass's sums held in
+ * registers: head_dim and pass are constants at each call site once inlined. */
 static inline __attribute__((always_inline)) void accumulate_values_bf16(
     float *acc, const float *scores, const char *v_head, const int64_t *slots,
-    const float *seq_bias, int64_t width, int64_t first, int64_t group, int64_t head_dim,
-    int64_t pass) {
+    const int64_t *live, int64_t num_live, int64_t width, int64_t first, int64_t count,
+    int64_t head_dim, int64_t pass) {
     float16_vector sums[4][8] = {{{0}}};
     const int64_t chunks = head_dim / 16;
-    for (int64_t t = 0; t < width; t++) {
-        if (seq_bias[t] == -INFINITY) continue;
-        if (t + PREFETCH_AHEAD < width)
-            prefetch_row(v_head, slots[t + PREFETCH_AHEAD], (size_t)head_dim * 2);
+    for (int64_t i = 0; i < num_live; i++) {
+        const int64_t t = live[i];
+        if (i + PREFETCH_AHEAD < num_live)
+            prefetch_row(v_head, slots[live[i + PREFETCH_AHEAD]], (size_t)head_dim * 2);
         const uint16_t *row = (const uint16_t *)v_head + slots[t] * head_dim;
         float16_vector v[8];
-        for (int64_t c = 0; c < chunks; c++) {
-            float lanes[16];
-            for (int i = 0; i < 16; i++) lanes[i] = bf16_to_float(row[c * 16 + i]);
-            memcpy(&v[c], lanes, sizeof lanes);
-        }
+        for (int64_t c = 0; c < chunks; c++) v[c] = widen_bf16(row + c * 16);
         for (int64_t h = 0; h < pass; h++) {
-            const float p = first + h < group ? scores[(first + h) * width + t] : 0.0f;
+            const float p = first + h < count ? scores[(first + h) * width + t] : 0.0f;
             for (int64_t c = 0; c < chunks; c++) sums[h][c] += p * v[c];
         }
     }
-    for (int64_t h = 0; h < pass && first + h < group; h++)
+    for (int64_t h = 0; h < pass && first + h < count; h++)
         memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
 }
 
@@ -114,115 +153,183 @@ static inline __attribute__((always_inline)) void accumulate_values_bf16(
         }                                                                     \
     } while (0)
 
-static inline __attribute__((always_inline)) int attend_one(
+/* Scores of query vectors against four key rows (fp32, [4, head_dim]) at live positions
+ * `at`, into scores[j, at[p]] (scale and each vector's row bias applied), tracking maxima. */
+static inline __attribute__((always_inline)) void score_four(
+    const float *queries, int64_t count, const float *keys, const int64_t *at,
+    const float *const *row_bias, int64_t group, float scale, int64_t head_dim,
+    int64_t width, float *scores, float *max_score) {
+    const int64_t chunks = head_dim / 16;
+    for (int64_t j = 0; j < count; j++) {
+        const float *qj = queries + j * head_dim;
+        const float *b = row_bias[j / group];
+        float score[4];
+        if (head_dim % 16 == 0) {
+            float16_vector a[4] = {{0}};
+            for (int64_t c = 0; c < chunks; c++) {
+                float16_vector q;
+                memcpy(&q, qj + 16 * c, sizeof q);
+                for (int p = 0; p < 4; p++) {
+                    float16_vector k;
+                    memcpy(&k, keys + p * head_dim + 16 * c, sizeof k);
+                    a[p] += q * k;
+                }
+            }
+            const float16_vector sums = sum4(a[0], a[1], a[2], a[3]);
+            for (int p = 0; p < 4; p++) score[p] = sums[4 * p];
+        } else {
+            for (int p = 0; p < 4; p++) score[p] = dot(qj, keys + p * head_dim, head_dim);
+        }
+        for (int p = 0; p < 4; p++) {
+            const float s = score[p] * scale + b[at[p]];
+            scores[j * width + at[p]] = s;
+            if (s > max_score[j]) max_score[j] = s;
+        }
+    }
+}
+
+/* Attention of `num_rows` consecutive rows that read the same blocks (one sequence: its
+ * decode row, or the rows verifying its drafts) for one KV head. The rows' G query heads
+ * each are `count = num_rows * G` query vectors sharing every key and value row loaded,
+ * each row widened to fp32 once; each vector's own bias row masks its positions, so a
+ * vector's result does not depend on which rows share its task. */
+static inline __attribute__((always_inline)) int attend_rows(
                       const void *q, const void *key_cache, const void *value_cache,
-                      const int64_t *blocks, const float *bias, void *out, int64_t seq,
-                      int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t num_blocks,
-                      int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
-                      int is_bf16, int io_bf16) {
-    const int64_t group = heads / kv_heads;
+                      const int64_t *blocks, const float *bias, void *out, int64_t first_row,
+                      int64_t num_rows, int64_t kv_head, int64_t heads, int64_t kv_heads,
+                      int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                      int64_t table_width, float scale, int is_bf16, int io_bf16) {
+    const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     const size_t elem = is_bf16 ? 2 : 4, io_elem = io_bf16 ? 2 : 4;
-    const size_t floats = (size_t)(group * width + 2 * group * head_dim + head_dim);
+    const size_t floats = (size_t)(count * width + 2 * count * head_dim + 4 * head_dim);
     float *buffer = malloc(sizeof(float) * floats);
-    int64_t *slots = malloc(sizeof(int64_t) * (size_t)width);
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(2 * width + 4));
     if (buffer == NULL || slots == NULL) {
         free(buffer);
         free(slots);
         return 1;
     }
-    float *scores = buffer;                       /* [G, width] */
-    float *queries = scores + group * width;      /* [G, D] */
-    float *acc = queries + group * head_dim;      /* [G, D] */
-    float *row = acc + group * head_dim;          /* [D] */
-    const float *seq_bias = bias + seq * width;
-    const int64_t *table = blocks + seq * table_width;
+    float *scores = buffer;                       /* [count, width] */
+    float *queries = scores + count * width;      /* [count, D] */
+    float *acc = queries + count * head_dim;      /* [count, D] */
+    float *keys = acc + count * head_dim;         /* [4, D] */
+    int64_t *live = slots + width;                /* positions any row attends to */
+    const float *row_bias[num_rows];
+    for (int64_t r = 0; r < num_rows; r++) row_bias[r] = bias + (first_row + r) * width;
+    const int64_t *table = blocks + first_row * table_width;
     /* Each position's cache slot, computed block by block (a division per position costs
      * more than the position's arithmetic). */
     for (int64_t i = 0; i < table_width; i++)
         for (int64_t j = 0; j < block_size; j++)
             slots[i * block_size + j] = table[i] * block_size + j;
-    const size_t first_row = (size_t)((seq * heads + kv_head * group) * head_dim);
-    const char *q_base = (const char *)q + first_row * io_elem;
-
-    for (int64_t g = 0; g < group; g++)
-        LOAD_ROW(queries + g * head_dim, q_base + (size_t)(g * head_dim) * io_elem, head_dim,
-                 io_bf16);
+    int64_t num_live = 0;
+    for (int64_t t = 0; t < width; t++) {
+        int attended = 0;
+        for (int64_t r = 0; r < num_rows; r++) attended |= row_bias[r][t] != -INFINITY;
+        if (attended) live[num_live++] = t;
+    }
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
+                 head_dim) * io_elem, head_dim, io_bf16);
+        for (int64_t t = 0; t < width; t++) scores[j * width + t] = -INFINITY;
+    }
 
     const size_t row_bytes = (size_t)head_dim * elem;
     const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
     const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * elem;
     const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * elem;
 
-    float max_score[group];
-    for (int64_t g = 0; g < group; g++) max_score[g] = -INFINITY;
-    for (int64_t t = 0; t < width; t++) {
-        const float b = seq_bias[t];
-        if (b == -INFINITY) {
-            for (int64_t g = 0; g < group; g++) scores[g * width + t] = -INFINITY;
-            continue;
+    float max_score[count];
+    for (int64_t j = 0; j < count; j++) max_score[j] = -INFINITY;
+    /* Four live positions at a time; a last partial four repeats its final position (the
+     * repeat writes the same score again). */
+    for (int64_t i = 0; i < num_live; i += 4) {
+        int64_t at[4];
+        for (int p = 0; p < 4; p++) {
+            at[p] = live[i + p < num_live ? i + p : num_live - 1];
+            if (i + PREFETCH_AHEAD + p < num_live) prefetch_row(k_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
+            LOAD_ROW(keys + p * head_dim, k_head + (size_t)(slots[at[p]] * head_dim) * elem,
+                     head_dim, is_bf16);
         }
-        const int64_t slot = slots[t];
-        if (t + PREFETCH_AHEAD < width) prefetch_row(k_head, slots[t + PREFETCH_AHEAD], row_bytes);
-        LOAD_ROW(row, k_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = queries + g * head_dim;
-            const float s = dot(qg, row, head_dim) * scale + b;
-            scores[g * width + t] = s;
-            if (s > max_score[g]) max_score[g] = s;
-        }
+        score_four(queries, count, keys, at, row_bias, group, scale, head_dim, width, scores,
+                   max_score);
     }
 
-    float total[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * width;
-        const float m = max_score[g];
+    float total[count];
+    for (int64_t j = 0; j < count; j++) {
+        float *sj = scores + j * width;
+        const float m = max_score[j];
+        float16_vector sums = {0};
+        int64_t t = 0;
+        for (; t + 16 <= width; t += 16) {
+            float16_vector x;
+            memcpy(&x, sj + t, sizeof x);
+            const float16_vector p = exp_nonpositive16(x - m);
+            memcpy(sj + t, &p, sizeof p);
+            sums += p;
+        }
         float sum = 0.0f;
-        _Pragma("omp simd reduction(+:sum)") for (int64_t t = 0; t < width; t++) {
-            const float p = sg[t] == -INFINITY ? 0.0f : exp_nonpositive(sg[t] - m);
-            sg[t] = p;
+        for (int l = 0; l < 16; l++) sum += sums[l];
+        for (; t < width; t++) {
+            const float p = sj[t] == -INFINITY ? 0.0f : exp_nonpositive(sj[t] - m);
+            sj[t] = p;
             sum += p;
         }
-        total[g] = sum;
+        total[j] = sum;
     }
 
     if (is_bf16 && (head_dim == 64 || head_dim == 128)) {
-        /* Each pass writes its heads' sums whole: acc needs no clearing. */
-        const int64_t heads_per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
-        for (int64_t g = 0; g < group; g += heads_per_pass)
-            accumulate_values_bf16(acc, scores, v_head, slots, seq_bias, width, g, group,
-                                   head_dim, heads_per_pass);
+        /* Each pass writes its vectors' sums whole: acc needs no clearing. */
+        const int64_t per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
+        for (int64_t j = 0; j < count; j += per_pass)
+            accumulate_values_bf16(acc, scores, v_head, slots, live, num_live, width, j, count,
+                                   head_dim, per_pass);
     } else {
-        memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-        for (int64_t t = 0; t < width; t++) {
-            if (seq_bias[t] == -INFINITY) continue;
-            const int64_t slot = slots[t];
-            if (t + PREFETCH_AHEAD < width)
-                prefetch_row(v_head, slots[t + PREFETCH_AHEAD], row_bytes);
-            LOAD_ROW(row, v_head + (size_t)(slot * head_dim) * elem, head_dim, is_bf16);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * width + t];
-                float *ag = acc + g * head_dim;
-                _Pragma("omp simd") for (int64_t d = 0; d < head_dim; d++) ag[d] += p * row[d];
+        float *row = keys;
+        memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
+        for (int64_t i = 0; i < num_live; i++) {
+            const int64_t t = live[i];
+            if (i + PREFETCH_AHEAD < num_live)
+                prefetch_row(v_head, slots[live[i + PREFETCH_AHEAD]], row_bytes);
+            LOAD_ROW(row, v_head + (size_t)(slots[t] * head_dim) * elem, head_dim, is_bf16);
+            for (int64_t j = 0; j < count; j++) {
+                const float p = scores[j * width + t];
+                float *aj = acc + j * head_dim;
+                _Pragma("omp simd") for (int64_t d = 0; d < head_dim; d++) aj[d] += p * row[d];
             }
         }
     }
 
-    char *out_base = (char *)out + (size_t)((seq * heads + kv_head * group) * head_dim) * io_elem;
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
-        const float *ag = acc + g * head_dim;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        char *out_row = (char *)out + (size_t)((row * heads + head) * head_dim) * io_elem;
+        const float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
+        const float *aj = acc + j * head_dim;
         if (io_bf16) {
-            uint16_t *dst = (uint16_t *)out_base + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(ag[d] * inv);
+            uint16_t *dst = (uint16_t *)out_row;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(aj[d] * inv);
         } else {
-            float *dst = (float *)out_base + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = ag[d] * inv;
+            float *dst = (float *)out_row;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = aj[d] * inv;
         }
     }
     free(buffer);
     free(slots);
     return 0;
+}
+
+/* One row (sequence) alone: the decode kernel behind the PyTorch layers. */
+static inline __attribute__((always_inline)) int attend_one(
+                      const void *q, const void *key_cache, const void *value_cache,
+                      const int64_t *blocks, const float *bias, void *out, int64_t seq,
+                      int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
+                      int is_bf16, int io_bf16) {
+    return attend_rows(q, key_cache, value_cache, blocks, bias, out, seq, 1, kv_head, heads,
+                       kv_heads, num_blocks, block_size, head_dim, table_width, scale, is_bf16,
+                       io_bf16);
 }
 
 #endif

@@ -160,17 +160,23 @@ static inline __attribute__((always_inline)) void group_tile(
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FORKLIFT_PAIRED_GROUPS 1
 #define PREFETCH_BLOCKS 4
+#define PAIR_TILE_ROWS 8
 /* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
  * the activations' broadcasts and the dot products serve sixteen outputs, half the
- * instructions per output of group_tile. sums[r * 16 + i]. */
+ * instructions per output of group_tile. Up to PAIR_TILE_ROWS rows share each block's
+ * unpacked codes; up to four rows keep q4's offsets in a second accumulator (two short
+ * dependency chains), more rows one accumulator each (the thirty-two registers hold them).
+ * sums[r * 16 + i]. */
 static inline __attribute__((always_inline)) void group_pair_tile(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
     float *sums, int is_q4) {
     const int64_t block_bytes = is_q4 ? 128 : 256;
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[4], offsets[4];
-    for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm512_setzero_ps();
+    const int split = rows <= 4; /* a constant once inlined */
+    __m512 acc[PAIR_TILE_ROWS], offsets[4];
+    for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < 4; r++) offsets[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
         /* Two streams a group apart: fetch a few blocks ahead in both. */
@@ -220,10 +226,14 @@ static inline __attribute__((always_inline)) void group_pair_tile(
             }
             const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
             acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[b])), acc[r]);
-            if (is_q4) offsets[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), offsets[r]);
+            if (is_q4 && split)
+                offsets[r & 3] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), offsets[r & 3]);
+            else if (is_q4)
+                acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, _mm512_add_ps(acc[r], offsets[r]));
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(sums + 16 * r, split ? _mm512_add_ps(acc[r], offsets[r & 3]) : acc[r]);
 }
 #endif
 
@@ -300,8 +310,8 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
     for (int64_t r0 = 0; r0 < rows;) {
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
-        const int tile = limit - r0 < 4 ? (int)(limit - r0) : 4;
-        float sums[64];
+        const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
+        float sums[16 * PAIR_TILE_ROWS];
 #define PAIR_TILE(is_q4, rows)                                                               \
         group_pair_tile(codes, codes + group_bytes, d, d + blocks * 8, m,                    \
                         is_q4 ? m + blocks * 8 : NULL, blocks, x + r0, rows, sums, is_q4)
@@ -310,7 +320,11 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         case 1: PAIR_TILE(is_q4, 1); break;                                                  \
         case 2: PAIR_TILE(is_q4, 2); break;                                                  \
         case 3: PAIR_TILE(is_q4, 3); break;                                                  \
-        default: PAIR_TILE(is_q4, 4); break;                                                 \
+        case 4: PAIR_TILE(is_q4, 4); break;                                                  \
+        case 5: PAIR_TILE(is_q4, 5); break;                                                  \
+        case 6: PAIR_TILE(is_q4, 6); break;                                                  \
+        case 7: PAIR_TILE(is_q4, 7); break;                                                  \
+        default: PAIR_TILE(is_q4, 8); break;                                                 \
         }
         if (is_q4) {
             PAIR_TILES(1)
