@@ -6,6 +6,7 @@ import pytest
 
 from forklift.config import EngineConfig
 from forklift.spec_decode.config import SpeculativeConfig
+from forklift.spec_decode.draft_budget import AcceptanceRecord, drafts_worth_verifying
 from forklift.spec_decode.ngram import NgramProposer
 from forklift.spec_decode.proposer import accepted_prefix
 from forklift.spec_decode.stats import SpecDecodeStats
@@ -145,3 +146,27 @@ def test_stats_count_acceptance_by_position():
     assert stats.accepted_per_position == [1, 1, 0]
     assert stats.mean_acceptance_length == pytest.approx(1 + 2 / 2)
     assert stats.acceptance_rate == pytest.approx(2 / 5)
+
+
+def test_drafts_pay_for_their_rows_only_when_likely_enough():
+    # One sequence: rate**j >= 1/6 up to j = 4 at rate 2/3; eight: >= 8/13, so j = 1.
+    assert drafts_worth_verifying(2 / 3, num_running=1, limit=8) == 4
+    assert drafts_worth_verifying(2 / 3, num_running=8, limit=8) == 1
+    assert drafts_worth_verifying(0.5, num_running=8, limit=8) == 0
+    assert drafts_worth_verifying(0.99, num_running=1, limit=3) == 3
+    assert drafts_worth_verifying(1.0, num_running=16, limit=5) == 5
+    assert drafts_worth_verifying(0.9, num_running=1, limit=0) == 0
+
+
+def test_acceptance_record_learns_and_forgets():
+    record = AcceptanceRecord()
+    prior = record.rate
+    for _ in range(5):
+        record.record(num_drafts=4, num_accepted=0)
+    assert record.rate < 0.35 < prior  # the prior (2 in 3) still weighs in
+    for _ in range(30):
+        record.idle()
+    assert record.rate == pytest.approx(prior, abs=0.01)
+    for _ in range(10):
+        record.record(num_drafts=4, num_accepted=4)
+    assert record.rate > 0.9

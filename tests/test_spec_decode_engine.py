@@ -98,7 +98,8 @@ def assert_no_leaks(llm: LLM) -> None:
     assert engine.num_free_blocks == engine.num_usable_blocks
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# Fixed draft lengths: the oracle's drafts would otherwise be cut by the adaptive rule.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}
 
 SAMPLING = [
     SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -332,3 +333,22 @@ def test_disable_by_batch_size_turns_drafts_off_under_load(tiny_dir):
     assert llm.llm_engine.spec_stats.num_drafts == 0
     run(llm, prompts[:1], params)
     assert llm.llm_engine.spec_stats.num_drafts > 0
+
+
+def test_adaptive_draft_length_follows_acceptance_and_load(tiny_dir):
+    prompts = prompts_of(8, seed=14)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = run(make_llm(tiny_dir), prompts, params)
+    adaptive = {**SPEC, "num_speculative_tokens": 8, "adaptive_draft_length": True}
+
+    def drafts_per_verification(count: int, corrupt: float) -> float:
+        llm = make_llm(tiny_dir, speculative_config=adaptive)
+        with_oracle(llm, sequences(expected), corrupt=corrupt)
+        assert_same(run(llm, prompts[:count], params), expected[:count])
+        stats = llm.llm_engine.spec_stats
+        return stats.num_draft_tokens / max(stats.num_drafts, 1)
+
+    # Alone, a sequence whose drafts hold speculates longer than one whose drafts fail,
+    # and eight running at once speculate less than one alone.
+    assert drafts_per_verification(1, corrupt=0.0) > drafts_per_verification(1, corrupt=1.0)
+    assert drafts_per_verification(8, corrupt=0.0) < drafts_per_verification(1, corrupt=0.0)

@@ -30,7 +30,7 @@ from forklift.checkpoint.source import resolve_model
 
 FORKLIFT_METHODS = (
     "none",
-    '{"method": "ngram", "num_speculative_tokens": 6}',
+    '{"method": "ngram", "num_speculative_tokens": 8}',
     '{"method": "suffix", "num_speculative_tokens": 12}',
 )
 LLAMA_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")

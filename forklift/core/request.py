@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from forklift.core.scheduler_output import SamplingRow
 from forklift.sampling_params import SamplingParams
+from forklift.spec_decode.draft_budget import AcceptanceRecord
 
 if TYPE_CHECKING:
     from forklift.structured.grammar import GrammarMatcher
@@ -67,6 +68,8 @@ class Request:
     # Speculative decoding: guesses at the tokens after `all_token_ids`, checked in the next
     # step that decodes this sequence (and dropped if it does not).
     draft_token_ids: list[int] = field(default_factory=list)
+    # ... and how often this sequence's drafts were accepted lately (sizes its next drafts).
+    acceptance: AcceptanceRecord = field(default_factory=AcceptanceRecord)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

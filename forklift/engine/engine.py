@@ -36,6 +36,7 @@ from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
+from forklift.spec_decode.draft_budget import drafts_worth_verifying
 from forklift.spec_decode.proposer import accepted_prefix, make_proposer
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
@@ -493,12 +494,17 @@ class LLMEngine:
         targets = [out.token_ids[row] for row in rows]
         accepted = accepted_prefix(drafts, targets)
         self.spec_stats.record(len(drafts), accepted)
+        request = self.scheduler.requests.get(chunk.request_id)
+        if request is not None:
+            request.acceptance.record(len(drafts), accepted)
         return targets[: accepted + 1]
 
     def _propose(self) -> None:
         """Drafts for each decoding sequence's next step. Under `disable_by_batch_size`
-        running sequences, none; with the native step, only as many as keep the step within
-        its rows. Sequences under a grammar decode without drafts."""
+        running sequences, none; with `adaptive_draft_length`, as many as the sequence's
+        recent acceptance makes worth their rows at this batch size; with the native step,
+        only as many as keep the step within its rows. Sequences under a grammar decode
+        without drafts."""
         spec = self.speculation
         assert spec is not None and self.proposer is not None
         running = self.scheduler.running
@@ -513,8 +519,13 @@ class LLMEngine:
             # The step yields one token past its drafts: keep all of them within max_tokens.
             room = request.max_tokens - request.num_output_tokens - 1
             wanted = min(spec.num_speculative_tokens, room)
+            if spec.adaptive_draft_length:
+                wanted = drafts_worth_verifying(request.acceptance.rate, len(running), wanted)
             if spare_rows is not None:
                 wanted = min(wanted, spare_rows)
+            if wanted <= 0:
+                request.acceptance.idle()
+                continue
             drafts = self.proposer.propose(request.request_id, request.all_token_ids, wanted)
             request.draft_token_ids = drafts
             if spare_rows is not None:

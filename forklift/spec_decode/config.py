@@ -28,6 +28,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # No drafts while this many sequences or more are running (None: always speculate).
     disable_by_batch_size: int | None = None
+    # forklift's own key: size each sequence's drafts by its recent acceptance and the
+    # number running (spec_decode/draft_budget.py); False always proposes up to
+    # num_speculative_tokens.
+    adaptive_draft_length: bool = True
     # suffix: the tries' depth (match plus drafts), the finished requests whose outputs are
     # kept, drafts per matched token, and the lowest estimated chance a draft may have.
     suffix_decoding_max_tree_depth: int = 24
@@ -97,6 +101,11 @@ class SpeculativeConfig:
         _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, None)
         if self.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", self.disable_by_batch_size, 2, None)
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise ValueError(
+                "speculative_config: adaptive_draft_length must be true or false, "
+                f"got {self.adaptive_draft_length!r}"
+            )
         _int_in("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2, 256)
         _int_in(
             "suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0, None
