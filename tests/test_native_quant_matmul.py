@@ -95,6 +95,21 @@ def test_precise_activations_take_two_int8_rows(kernel, form):
         assert error < plain_error / 50
 
 
+@pytest.mark.parametrize("form", ["int4", "int8"])
+@pytest.mark.parametrize("precise", [False, True])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, form, precise):
+    """Bit for bit, alone or among up to 16 rows: speculation verifies drafts as extra rows
+    and promises the tokens of decoding without them."""
+    torch.manual_seed(11)
+    n, k = 72, 320
+    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
+    blocks = build(torch.randn(n, k), kernel, precise=precise)
+    x = torch.randn(16, k) * torch.linspace(0.1, 10, k)
+    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(16)])
+    for rows in range(2, 17):
+        assert torch.equal(blocks.linear(x[:rows]), alone[:rows]), rows
+
+
 def test_int4_blocks_hold_the_groups_exactly(kernel):
     """GGUF-like groups (fp16-representable d and m) survive the interleaved layout bit for
     bit, rows past a multiple of eight included."""

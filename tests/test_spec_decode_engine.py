@@ -274,6 +274,24 @@ def test_native_step_verifies_drafts(tmp_path):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_default_model_greedy_is_unchanged_by_long_verifications(default_source):
+    """The default model on its own kernels (the native step where it builds): right drafts
+    of 4 to 12 tokens verify as 5 to 13 rows of one sequence, and the text is that of
+    decoding alone, token for token (a row's logits must not depend on its neighbours)."""
+    prompt = [{"role": "user", "content": "Tell me a story about the sea and a lighthouse."}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    settings = dict(model=str(default_source.path), max_model_len=512,
+                    kv_cache_memory_bytes=32 * 2**20, enable_prefix_caching=False)  # fmt: skip
+    expected = LLM(**settings).chat([prompt], params, use_tqdm=False)
+    for drafts in (4, 7, 12):
+        spec = {**SPEC, "num_speculative_tokens": drafts}
+        llm = LLM(**settings, speculative_config=spec)
+        with_oracle(llm, sequences(expected), corrupt=0.0)
+        assert_same(llm.chat([prompt], params, use_tqdm=False), expected)
+        stats = llm.llm_engine.spec_stats
+        assert stats.num_accepted_tokens >= 30 and max(stats.accepted_per_position) > 0
+
+
 def test_sampled_distribution_is_the_targets(tiny_dir):
     """Many seeds: the token drawn right after drafts (accepted or not) has the distribution
     of decoding without speculation. Different seeds on each side, so equality of outputs

@@ -164,8 +164,9 @@ static inline __attribute__((always_inline)) void group_tile(
 /* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
  * the activations' broadcasts and the dot products serve sixteen outputs, half the
  * instructions per output of group_tile. Up to PAIR_TILE_ROWS rows share each block's
- * unpacked codes; up to four rows keep q4's offsets in a second accumulator (two short
- * dependency chains), more rows one accumulator each (the thirty-two registers hold them).
+ * unpacked codes, one accumulator each (the thirty-two registers hold them all). A row's
+ * sums take the same steps in the same order whatever the tile's size: a row's result never
+ * depends on the rows beside it (speculation's lossless greedy rests on it).
  * sums[r * 16 + i]. */
 static inline __attribute__((always_inline)) void group_pair_tile(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
@@ -173,10 +174,8 @@ static inline __attribute__((always_inline)) void group_pair_tile(
     float *sums, int is_q4) {
     const int64_t block_bytes = is_q4 ? 128 : 256;
     const __m512i zero = _mm512_setzero_si512();
-    const int split = rows <= 4; /* a constant once inlined */
-    __m512 acc[PAIR_TILE_ROWS], offsets[4];
+    __m512 acc[PAIR_TILE_ROWS];
     for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int r = 0; r < 4; r++) offsets[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
         /* Two streams a group apart: fetch a few blocks ahead in both. */
@@ -226,14 +225,10 @@ static inline __attribute__((always_inline)) void group_pair_tile(
             }
             const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
             acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[b])), acc[r]);
-            if (is_q4 && split)
-                offsets[r & 3] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), offsets[r & 3]);
-            else if (is_q4)
-                acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), acc[r]);
+            if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        _mm512_storeu_ps(sums + 16 * r, split ? _mm512_add_ps(acc[r], offsets[r & 3]) : acc[r]);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
 #endif
 
