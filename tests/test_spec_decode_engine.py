@@ -320,19 +320,37 @@ def test_sampled_distribution_is_the_targets(tiny_dir):
         assert statistic < bound, (position, statistic, bound)
 
 
-def test_structured_outputs_decode_without_drafts(default_source, default_llm_fp32):
-    choices = ["The capital of France is Paris.", "Paris is the capital. Paris is the capital."]
-    params = SamplingParams(temperature=0, max_tokens=30,
-                            structured_outputs=StructuredOutputsParams(choice=choices))  # fmt: skip
-    prompt = "Paris is the capital. Paris is the capital. Paris is"
-    expected = default_llm_fp32.generate([prompt], params, use_tqdm=False)
-    llm = LLM(model=str(default_source.path), dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=16 * 2**20, speculative_config=SPEC)  # fmt: skip
-    assert_same(run(llm, [prompt], params), expected)
-    assert llm.llm_engine.spec_stats.num_drafts == 0
-    free = run(llm, [prompt], params.clone(structured_outputs=None))
-    assert llm.llm_engine.spec_stats.num_drafts > 0  # the same prompt unconstrained speculates
-    assert free[0].outputs[0].token_ids
+@pytest.mark.parametrize("corrupt", [0.0, 0.5])
+def test_structured_outputs_speculate_within_the_grammar(default_source, corrupt):
+    """Drafts under a grammar are cut to what it allows; each verification row's mask is
+    the grammar's after the drafts before it; the text is that of decoding alone."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+              "country": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "country", "population"]}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=schema))  # fmt: skip
+    prompt = [{"role": "user", "content": "Describe Paris as JSON with city, country and "
+               "population, like {\"city\": \"Rome\", \"country\": \"Italy\", "
+               "\"population\": 2800000}."}]  # fmt: skip
+    settings = dict(model=str(default_source.path), max_model_len=512,
+                    kv_cache_memory_bytes=32 * 2**20)  # fmt: skip
+    expected = LLM(**settings).chat([prompt], params, use_tqdm=False)
+    llm = LLM(**settings, speculative_config=SPEC)
+    oracle = with_oracle(llm, sequences(expected), corrupt=corrupt)
+    proposed: list[int] = []
+    original = oracle.propose
+
+    def propose(request_id, token_ids, max_tokens):
+        drafts = original(request_id, token_ids, max_tokens)
+        proposed.append(len(drafts))
+        return drafts
+
+    oracle.propose = propose
+    assert_same(llm.chat([prompt], params, use_tqdm=False), expected)
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    if corrupt:  # some corrupted drafts broke the grammar and were cut before verifying
+        assert stats.num_draft_tokens < sum(proposed)
 
 
 def test_hybrid_models_are_refused_with_the_reason(tmp_path):

@@ -503,8 +503,8 @@ class LLMEngine:
         """Drafts for each decoding sequence's next step. Under `disable_by_batch_size`
         running sequences, none; with `adaptive_draft_length`, as many as the sequence's
         recent acceptance makes worth their rows at this batch size; with the native step,
-        only as many as keep the step within its rows. Sequences under a grammar decode
-        without drafts."""
+        only as many as keep the step within its rows. Under a grammar, only the drafts it
+        allows."""
         spec = self.speculation
         assert spec is not None and self.proposer is not None
         running = self.scheduler.running
@@ -514,7 +514,7 @@ class LLMEngine:
         if self.runner.native_step is not None:
             spare_rows = NATIVE_STEP_MAX_ROWS - len(running)
         for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1 or request.grammar:
+            if request.num_tokens - request.num_computed_tokens != 1:
                 continue
             # The step yields one token past its drafts: keep all of them within max_tokens.
             room = request.max_tokens - request.num_output_tokens - 1
@@ -527,6 +527,8 @@ class LLMEngine:
                 request.acceptance.idle()
                 continue
             drafts = self.proposer.propose(request.request_id, request.all_token_ids, wanted)
+            if request.grammar is not None:
+                drafts = drafts[: request.grammar.valid_prefix(drafts)]
             request.draft_token_ids = drafts
             if spare_rows is not None:
                 spare_rows -= len(drafts)

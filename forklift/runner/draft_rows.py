@@ -30,7 +30,12 @@ def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledCh
             row_sampling = sampling
             if position:
                 outputs = [*sampling.output_token_ids, *drafts[:position]]
-                row_sampling = dataclasses.replace(sampling, output_token_ids=outputs)
+                grammar = sampling.grammar
+                if grammar is not None:  # its mask where the drafts before this row lead
+                    grammar = grammar.after(drafts[:position])
+                row_sampling = dataclasses.replace(
+                    sampling, output_token_ids=outputs, grammar=grammar
+                )
             rows.append(
                 ScheduledChunk(
                     chunk.request_id,

@@ -42,6 +42,15 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar does not allow it."""
         return self._matcher.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar allows (nothing moves)."""
+        return self._matcher.validate_tokens(token_ids) if token_ids else 0
+
+    def after(self, token_ids: list[int]) -> GrammarMatcher:
+        """This matcher as it will stand once `token_ids` (which it allows) are consumed: a
+        view whose masks are computed there; it never advances the matcher itself."""
+        return _DraftedGrammar(self._matcher, list(token_ids)) if token_ids else self
+
     @property
     def is_finished(self) -> bool:
         """Nothing may follow but end-of-sequence (or the grammar was broken)."""
@@ -50,6 +59,25 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return self._matcher.get_error()
+
+
+class _DraftedGrammar(GrammarMatcher):
+    """The allowed tokens after a sequence's drafts (speculative decoding): the mask is
+    computed with the drafts consumed, and the matcher rolled back at once."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, token_ids: list[int]) -> None:
+        super().__init__(matcher)
+        self._token_ids = token_ids
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        consumed = self._matcher.consume_tokens(self._token_ids)
+        try:
+            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        finally:
+            self._matcher.rollback(len(self._token_ids) if consumed else 0)
+
+    def accept(self, token_id: int) -> bool:
+        raise RuntimeError("a drafted view only computes masks")
 
 
 class GrammarCompiler:
