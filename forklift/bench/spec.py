@@ -25,7 +25,7 @@ import torch
 from forklift.bench.report import cpu_flags, markdown_table, subplots, write_report_files
 from forklift.bench.server_process import forklift_server_process, llama_server_process
 from forklift.bench.spec_workload import WORKLOADS
-from forklift.bench.stream_client import sse_payloads
+from forklift.bench.stream_client import RequestTiming, request_body, stream_request
 from forklift.checkpoint.source import resolve_model
 
 FORKLIFT_METHODS = (
@@ -182,19 +182,8 @@ async def _one_level(
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            prompt = queue.get_nowait()
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": settings.max_tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            try:
-                await _one_request(client, body, point)
-            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
-                point.errors.append(f"{type(exc).__name__}: {exc}")
+            body = request_body("chat", model, queue.get_nowait(), settings.max_tokens, False)
+            _record(point, await stream_request(client, "chat", body))
 
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
@@ -203,36 +192,19 @@ async def _one_level(
     point.output_tokens_per_s = point.output_tokens / point.seconds
 
 
-async def _one_request(client: httpx.AsyncClient, body: dict[str, Any], point: SpecPoint) -> None:
-    """One streamed request: its tokens, its decode time (first token to last) and, from
-    llama-server, its draft counters."""
-    started = time.perf_counter()
-    first = last = None
-    usage: dict[str, Any] = {}
-    timings: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:200]
-            point.errors.append(f"HTTP {response.status_code}: {detail}")
-            return
-        async for chunk in sse_payloads(response):
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings  # llama-server's own counters
-    if first is None or last is None:
-        point.errors.append("the stream carried no tokens")
+def _record(point: SpecPoint, timing: RequestTiming) -> None:
+    """One streamed request into its level: tokens, decode time (first content chunk to
+    last) and, from llama-server, its draft counters."""
+    if not timing.ok:
+        point.errors.append(timing.error)
         return
-    tokens = int(usage["completion_tokens"])
-    point.output_tokens += tokens
-    point.ttft_s.append(first - started)
-    if tokens > 1:
-        point.decode_tokens += tokens - 1
-        point.decode_seconds += last - first
-    point.draft_tokens += int(timings.get("draft_n", 0))
-    point.accepted_tokens += int(timings.get("draft_n_accepted", 0))
+    point.output_tokens += timing.output_tokens
+    point.ttft_s.append(timing.ttft_s)
+    if timing.output_tokens > 1:
+        point.decode_tokens += timing.output_tokens - 1
+        point.decode_seconds += sum(timing.itl_s)
+    point.draft_tokens += int(timing.server_timings.get("draft_n", 0))
+    point.accepted_tokens += int(timing.server_timings.get("draft_n_accepted", 0))
 
 
 def _forklift_counters(base_url: str) -> tuple[int, int, int]:

@@ -23,6 +23,8 @@ class RequestTiming:
     e2e_s: float = 0.0
     # Gaps between successive content chunks (one token per chunk on most servers).
     itl_s: list[float] = field(default_factory=list)
+    # llama-server's own per-request counters (its streams' `timings`; {} elsewhere).
+    server_timings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tpot_s(self) -> float:
@@ -80,6 +82,7 @@ async def stream_request(
     start = time.perf_counter()
     chunk_times: list[float] = []
     usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
@@ -89,6 +92,7 @@ async def stream_request(
                 if _chunk_text(chunk):
                     chunk_times.append(time.perf_counter() - start)
                 usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestTiming(ok=False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter() - start
@@ -102,4 +106,5 @@ async def stream_request(
         ttft_s=chunk_times[0],
         e2e_s=end,
         itl_s=[b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)],
+        server_timings=timings,
     )
