@@ -118,6 +118,14 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_source = source
         self.model_config = load_model_config(source)
+        self.speculation = config.speculation
+        if self.speculation is not None and self.model_config.is_hybrid:
+            # Refused before any weight loads.
+            raise ValueError(
+                "speculative_config: speculative decoding does not run hybrid "
+                "(linear-attention) models yet: their recurrent state would need rolling back "
+                "past rejected drafts"
+            )
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
@@ -188,13 +196,6 @@ class LLMEngine:
             config.resolve_decode_step_prefill_tokens(),
             config.resolve_prefill_pace_steps(),
         )
-        self.speculation = config.speculation
-        if self.speculation is not None and self.model_config.is_hybrid:
-            raise ValueError(
-                "speculative_config: speculative decoding does not run hybrid "
-                "(linear-attention) models yet: their recurrent state would need rolling back "
-                "past rejected drafts"
-            )
         self.proposer = make_proposer(self.speculation) if self.speculation else None
         self.spec_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -123,9 +123,6 @@ class SpeculativeConfig:
                 f"got {prob!r}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _int_in(name: str, value: object, low: int, high: int | None) -> None:
     bad = not isinstance(value, int) or isinstance(value, bool)

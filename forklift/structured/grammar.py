@@ -72,7 +72,7 @@ class _DraftedGrammar(GrammarMatcher):
     def fill_bitmask(self, row: np.ndarray) -> None:
         consumed = self._matcher.consume_tokens(self._token_ids)
         try:
-            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            super().fill_bitmask(row)
         finally:
             self._matcher.rollback(len(self._token_ids) if consumed else 0)
 
