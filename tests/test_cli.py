@@ -48,16 +48,21 @@ def test_generate_answers_paris():
     assert "KV cache:" in result.stderr
 
 
-def test_generate_reports_bad_input_without_a_traceback():
+def assert_generate_exits_2_naming(flags: list[str], named: str) -> None:
+    """`forklift generate` with bad flags: exit 2, the stderr names the field, no traceback."""
     result = subprocess.run(
-        [*forklift_command(), "generate", "--prompt", "hi", "--top-p", "3", *SMALL_ENGINE],
+        [*forklift_command(), "generate", "--prompt", "hi", *flags],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 2
-    assert "top_p" in result.stderr
+    assert named in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_reports_bad_input_without_a_traceback():
+    assert_generate_exits_2_naming(["--top-p", "3", *SMALL_ENGINE], "top_p")
 
 
 def test_chat_streams_replies_and_keeps_history(default_source):
@@ -77,15 +82,7 @@ def test_chat_streams_replies_and_keeps_history(default_source):
 
 def test_a_bad_speculative_config_exits_2_naming_the_key():
     bad = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mx": 3}'
-    result = subprocess.run(
-        [*forklift_command(), "generate", "--prompt", "hi", "--speculative-config", bad],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 2
-    assert "prompt_lookup_mx" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert_generate_exits_2_naming(["--speculative-config", bad], "prompt_lookup_mx")
 
 
 def test_enforce_eager_flag_reaches_the_engine_config():

@@ -12,12 +12,11 @@ import random
 from collections import Counter
 
 import pytest
+from test_engine import BLOCK_BYTES, make_llm
 from tiny_models import VOCAB, make_tiny_hybrid, make_tiny_model
 
 from forklift import LLM, SamplingParams, StructuredOutputsParams
 from forklift.core.kv_cache_manager import blocks_for_tokens
-
-BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # 2 layers x K,V x 2 heads x head_dim 16 x fp32 x 4 tokens
 
 
 class OracleProposer:
@@ -49,12 +48,6 @@ def tiny_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-spec")
     make_tiny_model("llama", directory)
     return directory
-
-
-def make_llm(path, **overrides) -> LLM:
-    kwargs = dict(dtype="float32", max_model_len=128, block_size=4,
-                  kv_cache_memory_bytes=400 * BLOCK_BYTES, max_num_batched_tokens=128)  # fmt: skip
-    return LLM(model=str(path), **(kwargs | overrides))
 
 
 def prompts_of(count: int, seed: int) -> list[list[int]]:
