@@ -59,6 +59,22 @@ ARCHITECTURES = {
         transformers.Qwen3ForCausalLM,
         {"head_dim": 32, "tie_word_embeddings": False},
     ),
+    # A local (sliding-window) layer and a global one, the window shorter than most prompts,
+    # a logit scale other than head_dim's and a global rotary base other than the local one.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
 }
 
 
@@ -82,11 +98,14 @@ def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> TinyModel:
         config.use_sliding_window = False
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
-    # Qwen2's q/k/v biases start at zero; give them values so the bias path is exercised.
+    # Qwen2's q/k/v biases start at zero, Gemma's (zero-centred) norms at their identity; give
+    # them values so those paths are exercised.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("proj.bias"):
                 param.normal_(0, 0.5)
+            elif arch == "gemma3" and name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
     return _save(model, directory)
 
 

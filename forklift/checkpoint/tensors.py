@@ -1,5 +1,5 @@
-"""The tensors of a Llama-family Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3 and the
-Qwen3.5 hybrid), as one table.
+"""The tensors of a Llama-family Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3
+and the Qwen3.5 hybrid), as one table.
 
 Each row names a tensor, the forklift parameter it fills (a fused parameter takes several
 tensors as consecutive blocks of rows), its shape and how tensor parallelism splits it.
@@ -49,6 +49,7 @@ class Needs(Enum):
     O_PROJ_BIAS = "o_proj_bias"
     QK_NORM = "qk_norm"
     UNTIED_HEAD = "untied_head"
+    SANDWICH_NORMS = "sandwich_norms"  # norms around the MLP too (Gemma 3)
 
 
 class Part(Enum):
@@ -158,6 +159,10 @@ TENSORS: tuple[CheckpointTensor, ...] = (
     CheckpointTensor("mlp.down_proj.weight", "mlp.down_proj.weight", (_H, _I), split=_I_COLUMNS),
     CheckpointTensor("input_layernorm.weight", "input_layernorm.weight", (_H,)),
     CheckpointTensor("post_attention_layernorm.weight", "post_attention_layernorm.weight", (_H,)),
+    CheckpointTensor("pre_feedforward_layernorm.weight", "pre_feedforward_layernorm.weight", (_H,),
+                     needs=Needs.SANDWICH_NORMS),
+    CheckpointTensor("post_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+                     (_H,), needs=Needs.SANDWICH_NORMS),
 )  # fmt: skip
 
 _MODEL_TENSORS = MappingProxyType({t.name: t for t in TENSORS if t.scope is Scope.MODEL})

@@ -143,7 +143,7 @@ class LLMEngine:
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 block_size=config.block_size,
-                sliding_window=self.model_config.sliding_window,
+                sliding_window=self.model_config.uniform_window,
                 num_threads=cpu_threads_per_rank(config),
                 allow_cross_node=config.allow_cross_node_tensor_parallel,
                 quantization=self.quantization,
@@ -157,12 +157,12 @@ class LLMEngine:
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
-            sliding_window=self.model_config.sliding_window,
+            sliding_window=self.model_config.uniform_window,
             # Captured decode runs on a single rank, and Llama-family layers, for now.
             enforce_eager=(
                 config.resolve_enforce_eager(self.device)
                 or self._tp_workers is not None
-                or self.model_config.is_hybrid
+                or not self.model_config.has_llama_layers
             ),
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
             tp=self._tp_workers.group if self._tp_workers else None,

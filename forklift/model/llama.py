@@ -55,7 +55,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_multiplier or self.head_dim**-0.5
         self.qkv_proj = Linear(
             config.hidden_size, config.q_proj_size + 2 * self.kv_size, bias=config.qkv_bias
         )
@@ -65,15 +65,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated MLP: down(act(gate) * up), act SiLU or (Gemma) tanh-approximated GELU."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.gelu = config.mlp_activation == "gelu_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        active = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(active * up)
 
 
 class DecoderLayer(nn.Module):

@@ -18,7 +18,7 @@ from forklift.checkpoint.tensors import (
     is_derived,
     is_unused,
 )
-from forklift.model.model_config import ModelConfig
+from forklift.model.model_config import LINEAR_ATTENTION, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ def _has(needs: Needs, config: ModelConfig) -> bool:
         return config.o_proj_bias
     if needs is Needs.QK_NORM:
         return config.qk_norm
+    if needs is Needs.SANDWICH_NORMS:
+        return config.sandwich_norms
     return not config.tie_word_embeddings  # Needs.UNTIED_HEAD
 
 
@@ -80,7 +82,10 @@ def _in_model(tensor: CheckpointTensor, layer: int | None, config: ModelConfig) 
         return tensor.scope is Scope.MODEL
     if layer >= config.num_layers:
         return False
-    return tensor.scope in (Scope.LAYER, Scope(config.layer_type(layer)))
+    kind = config.layer_type(layer)
+    # A sliding-window layer holds the same tensors as a full-attention one.
+    mixer = Scope.LINEAR_ATTENTION if kind == LINEAR_ATTENTION else Scope.FULL_ATTENTION
+    return tensor.scope in (Scope.LAYER, mixer)
 
 
 def is_ignored_hf_name(hf_name: str, config: ModelConfig) -> bool:

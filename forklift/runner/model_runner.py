@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
+from forklift.model.gemma3 import Gemma3ForCausalLM, local_rotary
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
@@ -257,6 +258,7 @@ class ModelRunner:
         meta, _ = build_attention_metadata(
             np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
         )
+        meta.sliding = self._sliding_metadata(np.array([0]), np.array([num_tokens]), table)
         meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         all_layers, all_caches = self.model.layers, self.layer_caches
         chosen = _profiled_layers(all_layers)
@@ -544,6 +546,7 @@ class ModelRunner:
         meta, positions = build_attention_metadata(
             starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
         )
+        meta.sliding = self._sliding_metadata(starts, query_lens, table, kv_width)
         slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
         meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
@@ -565,6 +568,18 @@ class ModelRunner:
             inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
         return inputs
 
+    def _sliding_metadata(
+        self, starts: np.ndarray, query_lens: np.ndarray, table: np.ndarray, kv_width: int = 0
+    ) -> AttentionMetadata | None:
+        """The windowed view the sliding layers of a Gemma-3-like model read."""
+        cfg = self.model_config
+        if not cfg.sliding_layers:
+            return None
+        sliding, _ = build_attention_metadata(
+            starts, query_lens, table, self.block_size, cfg.sliding_window, self.device, kv_width
+        )
+        return sliding
+
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` never used since the cache was allocated, now marked used."""
         if not self._unwritten_blocks.size:
@@ -584,6 +599,13 @@ def _profiled_layers(layers: nn.ModuleList) -> list[int]:
     return [index for index in sorted(firsts.values()) for _ in range(2)]
 
 
+# Architectures whose model class is not the plain Llama one.
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
 def build_model(
     config: ModelConfig,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -595,7 +617,7 @@ def build_model(
     # Build on the meta device so no time goes into random initialisation, then load.
     # By architecture, not by layer mix: a Qwen3.5 config of only full-attention layers still
     # has gated attention and zero-centred norms.
-    model_class = Qwen3_5ForCausalLM if config.architecture == "qwen3_5" else LlamaForCausalLM
+    model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = model_class(config, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
@@ -605,4 +627,6 @@ def build_model(
     model.rotary = RotaryEmbedding(
         config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
     ).to(device)
+    if isinstance(model, Gemma3ForCausalLM):
+        model.local_rotary = local_rotary(config, max_positions).to(device)
     return model.eval()

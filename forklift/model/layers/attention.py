@@ -57,6 +57,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     # Hybrid models: the state slots and conv windows of their Gated DeltaNet layers.
     linear: LinearAttentionMetadata | None = None
+    # Models whose sliding-window layers sit among full ones (Gemma 3): what those layers
+    # read, masked to the window (None: every layer reads `groups`).
+    sliding: AttentionMetadata | None = None
 
 
 def write_kv(
