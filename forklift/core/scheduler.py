@@ -151,7 +151,9 @@ class Scheduler:
             if num_drafts:
                 num_new = 1 + num_drafts
                 total = request.num_computed_tokens + num_new
-                if not self.kv_manager.allocate_slots(request.request_id, total):
+                if not self.kv_manager.allocate_slots(
+                    request.request_id, total, num_computed_tokens=request.num_computed_tokens
+                ):
                     num_drafts = 0  # no room for them: decode one token as without drafts
             if not num_drafts:
                 num_new = self._chunk(request, request.num_computed_tokens, budget)
@@ -177,8 +179,10 @@ class Scheduler:
 
         Returns False when `request` itself had to be preempted.
         """
-        total = request.num_computed_tokens + num_new
-        while not self.kv_manager.allocate_slots(request.request_id, total):
+        start = request.num_computed_tokens
+        while not self.kv_manager.allocate_slots(
+            request.request_id, start + num_new, num_computed_tokens=start
+        ):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim.request_id)
@@ -217,10 +221,12 @@ class Scheduler:
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
         # A request scoring its prompt computes every prompt position: no cache hit for it.
         lookup = fresh and request.sampling_params.prompt_logprobs is None
-        cached = kv.find_cached_prefix(request.all_token_ids, request.cache_key) if lookup else []
-        start = request.num_computed_tokens + len(cached) * kv.block_size
+        cached = kv.lookup_prefix(request.all_token_ids, request.cache_key) if lookup else []
+        start = request.num_computed_tokens + (len(cached[0]) if cached else 0) * kv.block_size
         num_new = self._chunk(request, start, budget)
-        if num_new == 0 or not kv.allocate_slots(request.request_id, start + num_new, cached):
+        if num_new == 0 or not kv.allocate_slots(
+            request.request_id, start + num_new, cached, num_computed_tokens=start
+        ):
             return None
         if self.state_pool is not None:
             self.state_pool.allocate(request.request_id)  # keeps a slot it already holds
@@ -251,7 +257,9 @@ class Scheduler:
             top,
             prompt[start + 1 : min(end, len(prompt) - 1) + 1] if top is not None else (),
             num_drafts,
-        )
+            self.kv_manager.group_tables(request.request_id) if self.kv_manager.num_groups > 1
+            else (),
+        )  # fmt: skip
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request.request_id)
@@ -329,7 +337,8 @@ class Scheduler:
                 continue
             if self.state_pool is not None and not self._fork_state(leader, follower):
                 continue
-            self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared)
+            if not self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared):
+                continue  # the leader's window moved past blocks it needs: it computes alone
             follower.num_computed_tokens = num_shared * self.kv_manager.block_size
         leader.followers = []
 

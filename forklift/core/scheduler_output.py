@@ -57,6 +57,9 @@ class ScheduledChunk:
     # the chunk yields the target's token there, and the engine keeps them up to the first
     # draft the target disagrees with.
     num_draft_tokens: int = 0
+    # Models whose layers fall into several KV groups: every group's table (the first is
+    # `block_table`), views valid for this step as `block_table` is.
+    group_tables: Sequence[Sequence[int]] = ()
 
     @property
     def num_new_tokens(self) -> int:

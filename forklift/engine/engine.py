@@ -16,7 +16,7 @@ import torch
 from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from forklift.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
+from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.request import FinishReason, Request
 from forklift.core.scheduler import Scheduler
 from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -179,7 +179,10 @@ class LLMEngine:
         self._check_kv_fits()
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
         self.kv_manager = KVCacheManager(
-            self.kv_plan.num_blocks, config.block_size, self._prefix_caching_enabled()
+            self.kv_plan.num_blocks,
+            config.block_size,
+            self._prefix_caching_enabled(),
+            self.kv_plan.windows,
         )
         # Bumped by every weight update; the prefix cache keys on it.
         self.weight_version = 0
@@ -264,7 +267,7 @@ class LLMEngine:
                 f"{plan.state_bytes_per_slot} bytes. Raise kv_cache_memory_bytes or "
                 "gpu_memory_utilization."
             )
-        needed = blocks_for_tokens(self.max_model_len, plan.block_size)
+        needed = plan.blocks_per_sequence(self.max_model_len)
         if plan.num_blocks - 1 < needed:
             raise ValueError(
                 f"the KV cache holds {max(plan.num_blocks - 1, 0)} blocks "

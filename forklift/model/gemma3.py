@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from forklift.model.layers.decode_attention import DecodeKernel, gathered_decode_attention
 from forklift.model.layers.rotary import RotaryEmbedding
@@ -39,6 +40,8 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_sliding = config.layer_type(index) == SLIDING_ATTENTION
+        # The KV group whose blocks (and window) this layer reads.
+        self.kv_group = kv_layout(config).place(index)[0]
         hidden = config.hidden_size
         self.input_layernorm = rms_norm(config, hidden)
         self.self_attn = Attention(config)
@@ -59,11 +62,11 @@ class Gemma3DecoderLayer(nn.Module):
         global_rope, local_rope = ropes
         rope = local_rope if self.is_sliding else global_rope
         q, k, v = attention_input(self, hidden, *rope)  # type: ignore[arg-type]
+        group = meta.kv_groups[self.kv_group] if meta.kv_groups else meta
         key_cache, value_cache = kv_cache
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        window_meta = meta.sliding if self.is_sliding and meta.sliding is not None else meta
+        write_kv(key_cache, value_cache, k, v, group.slot_mapping)
         attn = paged_attention(
-            q, key_cache, value_cache, window_meta, self.self_attn.scale, self.decode_attention
+            q, key_cache, value_cache, group, self.self_attn.scale, self.decode_attention
         )
         attn = self.post_attention_layernorm(self._reduce(self.self_attn.o_proj(attn)))
         hidden = hidden + attn

@@ -76,16 +76,24 @@ def _group(
     padded_index = row * max_q + offset
 
     kv_lens = starts + query_lens
+    # With a window, a sequence's keys start at the block holding its first query's oldest
+    # visible position: blocks before it are masked out anyway (and may be freed).
+    first = np.zeros(count, dtype=np.int64)
+    if sliding_window is not None:
+        first = np.maximum(starts - sliding_window + 1, 0) // block_size
     # Whole blocks are read: the key width is a multiple of block_size, padding masked.
-    num_blocks = -(-max(int(kv_lens.max()), min_kv_width) // block_size)
+    ends = -(-kv_lens // block_size)
+    num_blocks = max(int((ends - first).max()), -(-min_kv_width // block_size))
     if max_q == 1:
         # At least two blocks (padding masked): a width of one would make the compiled
         # decode kernel specialise, i.e. compile again, on it.
         num_blocks = max(num_blocks, DECODE_MIN_BLOCKS)
-    kv_blocks = np.zeros((count, num_blocks), dtype=np.int64)  # padding -> the null block
-    width = min(num_blocks, table.shape[1])
-    kv_blocks[:, :width] = table[:, :width]
-    kv_pos = np.arange(num_blocks * block_size)[None, :]
+    # Padding -> the null block.
+    wide = np.zeros((count, int(first.max()) + num_blocks), dtype=np.int64)
+    width = min(wide.shape[1], table.shape[1])
+    wide[:, :width] = table[:, :width]
+    kv_blocks = wide[np.arange(count)[:, None], first[:, None] + np.arange(num_blocks)]
+    kv_pos = first[:, None] * block_size + np.arange(num_blocks * block_size)[None, :]
     kv_valid = kv_pos < kv_lens[:, None]
 
     q_pos = starts[:, None] + np.arange(max_q)[None, :]  # [S, Q]

@@ -45,6 +45,7 @@ def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledCh
                     0,
                     chunk.state_slot,
                     row_sampling,
+                    group_tables=chunk.group_tables,
                 )
             )
             chunk_of.append(index)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from forklift.core.kv_cache_manager import blocks_for_tokens, window_blocks
+from forklift.model.kv_layout import kv_layout
 from forklift.model.model_config import ModelConfig
 
 # Recurrent states accumulate over the whole context, so they stay float32 in any model dtype.
@@ -20,6 +22,13 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V, every full-attention layer, every KV head: 2 * L * H_kv * d_head * bytes."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * len(config.attention_layers) * config.num_kv_heads * config.head_dim * element
+
+
+def kv_block_bytes(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """One block: `block_size` tokens' K and V in each layer of one KV group."""
+    element = torch.empty((), dtype=dtype).element_size()
+    layers = kv_layout(config).layers_per_block
+    return 2 * layers * config.num_kv_heads * config.head_dim * element * block_size
 
 
 def state_bytes_per_sequence(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -92,6 +101,10 @@ class KVCachePlan:
     # is extra and not counted).
     num_state_slots: int = 0
     state_bytes_per_slot: int = 0
+    # Each KV group's window (None: whole context); a sequence holds blocks in every group.
+    windows: tuple[int | None, ...] = (None,)
+    # The most tokens one step computes for a sequence (a windowed group holds them too).
+    max_chunk: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -99,11 +112,23 @@ class KVCachePlan:
 
     @property
     def token_capacity(self) -> int:
-        # Block 0 is the null block and holds no request's tokens.
-        return (self.num_blocks - 1) * self.block_size
+        """Tokens of K/V the blocks hold in every group at once (block 0, the null block,
+        holds none)."""
+        return (self.num_blocks - 1) // max(len(self.windows), 1) * self.block_size
+
+    def blocks_per_sequence(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most, over every group, while
+        steps compute `chunk` of its tokens (default: the largest step; 1 for a decoding
+        sequence)."""
+        chunk = max(self.max_chunk if chunk is None else chunk, 1)
+        full = blocks_for_tokens(num_tokens, self.block_size)
+        return sum(
+            full if window is None else min(full, window_blocks(window, chunk, self.block_size))
+            for window in self.windows
+        )
 
     def max_concurrency(self, max_model_len: int) -> float:
-        return self.token_capacity / max_model_len
+        return (self.num_blocks - 1) / self.blocks_per_sequence(max_model_len)
 
 
 def plan_kv_cache(
@@ -118,20 +143,24 @@ def plan_kv_cache(
     activation_peak_bytes: int,
     max_num_seqs: int = 1,
     num_blocks_override: int | None = None,
+    max_chunk: int = 0,
 ) -> KVCachePlan:
     """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
     fixes the block count instead (and gives a hybrid model a slot per sequence)."""
-    bytes_per_block = kv_bytes_per_token(model_config, dtype) * block_size
+    layout = kv_layout(model_config)
+    bytes_per_block = kv_block_bytes(model_config, dtype, block_size)
+    groups = {"windows": layout.windows or (None,), "max_chunk": max_chunk}
     per_slot = state_bytes_per_sequence(model_config, dtype)
     if num_blocks_override is not None:
         slots = max_num_seqs if per_slot else 0
         budget = num_blocks_override * bytes_per_block + ((slots + 1) * per_slot if slots else 0)
         source = f"num_gpu_blocks_override={num_blocks_override}"
         return KVCachePlan(
-            num_blocks_override, block_size, bytes_per_block, budget, source, slots, per_slot
-        )
+            num_blocks_override, block_size, bytes_per_block, budget, source, slots, per_slot,
+            **groups,
+        )  # fmt: skip
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
@@ -151,5 +180,6 @@ def plan_kv_cache(
     else:
         num_blocks = max(blocks_budget // bytes_per_block, 0)
     return KVCachePlan(
-        int(num_blocks), block_size, bytes_per_block, int(budget), source, slots, per_slot
-    )
+        int(num_blocks), block_size, bytes_per_block, int(budget), source, slots, per_slot,
+        **groups,
+    )  # fmt: skip

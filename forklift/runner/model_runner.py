@@ -12,6 +12,7 @@ from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.model.gemma3 import Gemma3ForCausalLM, local_rotary
+from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
@@ -119,6 +120,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self.kv_layout = kv_layout(model_config)
         self.weights = weights
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
@@ -176,6 +178,7 @@ class ModelRunner:
             weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),
             activation_peak_bytes=peak,
             max_num_seqs=max_num_seqs,
+            max_chunk=max_num_batched_tokens,
         )
 
     def _memory_share(self) -> int:
@@ -258,7 +261,14 @@ class ModelRunner:
         meta, _ = build_attention_metadata(
             np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
         )
-        meta.sliding = self._sliding_metadata(np.array([0]), np.array([num_tokens]), table)
+        if len(self.kv_layout.groups) > 1:  # every group writes the same blocks: a profile
+            meta.kv_groups = [
+                build_attention_metadata(
+                    np.array([0]), np.array([num_tokens]), table, self.block_size, window,
+                    self.device,
+                )[0]
+                for window in self.kv_layout.windows
+            ]  # fmt: skip
         meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         all_layers, all_caches = self.model.layers, self.layer_caches
         chosen = _profiled_layers(all_layers)
@@ -311,10 +321,14 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         cfg = self.model.config  # this rank's KV heads
-        attention = cfg.attention_layers
+        layout = self.kv_layout
+        # A block spans the layers of one KV group, each layer in its slot (model/kv_layout.py).
         # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
         # (layers/decode_attention.py).
-        shape = (len(attention), 2, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        shape = (
+            layout.layers_per_block, 2, cfg.num_kv_heads, num_blocks, self.block_size,
+            cfg.head_dim,
+        )  # fmt: skip
         # torch.empty leaves pages untouched until a block is first used; only the null
         # block, which pads every read, must hold zeros (others are zeroed on first use).
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -322,9 +336,10 @@ class ModelRunner:
         self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
         self._unwritten_blocks[0] = False
         self._kv_cache_tensor = cache
-        caches: dict[int, LayerCache] = {
-            layer: (cache[i, 0], cache[i, 1]) for i, layer in enumerate(attention)
-        }
+        caches: dict[int, LayerCache] = {}
+        for group in layout.groups:
+            for slot, layer in enumerate(group.layers):
+                caches[layer] = (cache[slot, 0], cache[slot, 1])
         caches.update(self._allocate_states(num_state_slots))
         self.layer_caches = [caches[i] for i in range(cfg.num_layers)]
         self._reset_captures()  # captures hold the old cache's addresses
@@ -539,14 +554,19 @@ class ModelRunner:
             query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
             ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
             sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
-        width = max(len(s.block_table) for s in scheduled)
-        table = np.zeros((rows, width), dtype=np.int64)
-        for row, s in enumerate(scheduled):
-            table[row, : len(s.block_table)] = s.block_table
+        tables = _group_tables(scheduled, rows, len(self.kv_layout.groups))
+        windows = self.kv_layout.windows or (None,)
         meta, positions = build_attention_metadata(
-            starts, query_lens, table, self.block_size, self.sliding_window, self.device, kv_width
-        )
-        meta.sliding = self._sliding_metadata(starts, query_lens, table, kv_width)
+            starts, query_lens, tables[0], self.block_size, self.sliding_window or windows[0],
+            self.device, kv_width,
+        )  # fmt: skip
+        if len(tables) > 1:
+            meta.kv_groups = [meta] + [
+                build_attention_metadata(
+                    starts, query_lens, table, self.block_size, window, self.device, kv_width
+                )[0]
+                for table, window in zip(tables[1:], windows[1:], strict=True)
+            ]
         slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
         meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
@@ -558,7 +578,9 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),
-            fresh_blocks=torch.from_numpy(self._take_unwritten(table)).to(self.device),
+            fresh_blocks=torch.from_numpy(self._take_unwritten(np.concatenate(tables, axis=1))).to(
+                self.device
+            ),
             state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
         )
         asked = prompt_rows_of(scheduled, ends - query_lens)
@@ -568,18 +590,6 @@ class ModelRunner:
             inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
         return inputs
 
-    def _sliding_metadata(
-        self, starts: np.ndarray, query_lens: np.ndarray, table: np.ndarray, kv_width: int = 0
-    ) -> AttentionMetadata | None:
-        """The windowed view the sliding layers of a Gemma-3-like model read."""
-        cfg = self.model_config
-        if not cfg.sliding_layers:
-            return None
-        sliding, _ = build_attention_metadata(
-            starts, query_lens, table, self.block_size, cfg.sliding_window, self.device, kv_width
-        )
-        return sliding
-
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` never used since the cache was allocated, now marked used."""
         if not self._unwritten_blocks.size:
@@ -588,6 +598,18 @@ class ModelRunner:
         fresh = blocks[self._unwritten_blocks[blocks]]
         self._unwritten_blocks[fresh] = False
         return fresh
+
+
+def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:
+    """Each KV group's block tables as one [rows, width] array (padding rows: the null
+    block)."""
+    per_row = [s.group_tables or (s.block_table,) for s in scheduled]
+    width = max(len(t[0]) for t in per_row)
+    tables = [np.zeros((rows, width), dtype=np.int64) for _ in range(num_groups)]
+    for row, chunk_tables in enumerate(per_row):
+        for group, table in enumerate(chunk_tables):
+            tables[group][row, : len(table)] = table
+    return tables
 
 
 def _profiled_layers(layers: nn.ModuleList) -> list[int]:

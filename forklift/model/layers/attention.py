@@ -17,7 +17,7 @@ reads the cache without copying each context out first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +57,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     # Hybrid models: the state slots and conv windows of their Gated DeltaNet layers.
     linear: LinearAttentionMetadata | None = None
-    # Models whose sliding-window layers sit among full ones (Gemma 3): what those layers
-    # read, masked to the window (None: every layer reads `groups`).
-    sliding: AttentionMetadata | None = None
+    # Models whose layers fall into several KV groups (model/kv_layout.py): each group's
+    # own metadata (its blocks, its window), the first being this one. Empty: one group.
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 def write_kv(
