@@ -274,17 +274,18 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def test_gguf_sentencepiece_is_rejected(tmp_path: Path) -> None:
-    reader = _write_gguf(tmp_path / "spm.gguf", "llama", token_list=["<unk>", "<s>", "</s>"])
+def test_gguf_unsupported_tokenizer_type_is_rejected(tmp_path: Path) -> None:
+    # WordPiece ("bert"); SentencePiece ("llama") is tested in test_gguf_spm_tokenizer.py.
+    reader = _write_gguf(tmp_path / "wpm.gguf", "bert", token_list=["[UNK]", "[CLS]", "[SEP]"])
     with pytest.raises(ValueError, match="not supported yet"):
         Tokenizer.from_gguf(reader)
 
 
 def test_load_tokenizer_tolerates_missing_or_unsupported(tmp_path: Path) -> None:
     assert load_tokenizer(ModelSource(tmp_path, "hf")) is None
-    spm = tmp_path / "spm.gguf"
-    _write_gguf(spm, "llama", token_list=["<unk>", "<s>", "</s>"])
-    assert load_tokenizer(ModelSource(spm, "gguf")) is None
+    wpm = tmp_path / "wpm.gguf"
+    _write_gguf(wpm, "bert", token_list=["[UNK]", "[CLS]", "[SEP]"])
+    assert load_tokenizer(ModelSource(wpm, "gguf")) is None
     hf_dir = _write_word_level_dir(tmp_path / "hf", {"eos_token": "</s>"})
     loaded = load_tokenizer(ModelSource(hf_dir, "hf"))
     assert loaded is not None and loaded.eos_token_id == 2

@@ -1,4 +1,8 @@
-"""A `tokenizers.Tokenizer` built from the vocabulary a GGUF file embeds, as llama.cpp reads it."""
+"""A `tokenizers.Tokenizer` built from the vocabulary a GGUF file embeds.
+
+Byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`) split text as llama.cpp does;
+SentencePiece ones (`"llama"`) are built the way transformers builds them from the same file.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from forklift.tokenizer.special_tokens import SpecialTokens
@@ -19,6 +23,13 @@ logger = logging.getLogger(__name__)
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+# SentencePiece writes a space as this character inside its pieces.
+_SPM_SPACE = "\u2581"
+# Architectures whose SentencePiece vocabulary transformers builds as `GemmaTokenizer`: the
+# file order of the tokens, not their scores, ranks the merges, and the tokens made of runs of
+# spaces are stored with real spaces although the model spells them with `_SPM_SPACE`.
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 # Pre-tokenizer regexes, written exactly as llama.cpp applies them for each
 # `tokenizer.ggml.pre` value. llama.cpp runs the expressions one after another, each splitting
@@ -61,20 +72,31 @@ _IGNORE_MERGES_PRE_TYPES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon
 
 
 def read_gguf_vocab(reader: gguf.GGUFReader) -> tuple[tokenizers.Tokenizer, SpecialTokens]:
-    """The byte-level BPE backend and special tokens embedded in a GGUF file."""
+    """The tokenizer backend and special tokens embedded in a GGUF file.
+
+    Reads only the file's tokenizer metadata (and its architecture name), so it works for a
+    file whose model forklift cannot run.
+    """
     model_type = _gguf_value(reader, "tokenizer.ggml.model")
-    if model_type != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer type {model_type!r} is not supported yet "
-            "(only byte-level BPE, tokenizer.ggml.model = 'gpt2')"
-        )
     tokens: list[str] = list(_gguf_value(reader, "tokenizer.ggml.tokens", []))
     token_types: list[int] = list(_gguf_value(reader, "tokenizer.ggml.token_type", []))
-    merges: list[str] = list(_gguf_value(reader, "tokenizer.ggml.merges", []))
-    pre_type = str(_gguf_value(reader, "tokenizer.ggml.pre", "default"))
-    backend = _build_byte_level_bpe(tokens, merges, pre_type)
-    _register_added_tokens(backend, tokens, token_types)
-    special = _gguf_special_tokens(reader, tokens)
+    if model_type == "gpt2":
+        merges: list[str] = list(_gguf_value(reader, "tokenizer.ggml.merges", []))
+        pre_type = str(_gguf_value(reader, "tokenizer.ggml.pre", "default"))
+        backend = _build_byte_level_bpe(tokens, merges, pre_type)
+        # llama.cpp adds no BOS to a byte-level vocabulary that does not ask for one.
+        add_bos_default = False
+    elif model_type == "llama":
+        backend = _build_sentencepiece_bpe(reader, tokens)
+        # ... but does to a SentencePiece one (transformers follows it).
+        add_bos_default = True
+    else:
+        raise ValueError(
+            f"GGUF tokenizer type {model_type!r} is not supported yet (only byte-level BPE, "
+            "tokenizer.ggml.model = 'gpt2', and SentencePiece, 'llama')"
+        )
+    special = _gguf_special_tokens(reader, tokens, add_bos_default)
+    _register_added_tokens(backend, tokens, token_types, special)
     if special.add_bos_token and special.bos_token is not None:
         # Only matters to other consumers of an exported tokenizer.json; Tokenizer.encode()
         # adds the BOS itself.
@@ -92,7 +114,9 @@ def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return _legacy_field_value(field_)
 
 
-def _gguf_special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> SpecialTokens:
+def _gguf_special_tokens(
+    reader: gguf.GGUFReader, tokens: list[str], add_bos_default: bool
+) -> SpecialTokens:
     def token_at(key: str) -> str | None:
         token_id = _gguf_value(reader, key)
         if token_id is None or not 0 <= int(token_id) < len(tokens):
@@ -110,7 +134,7 @@ def _gguf_special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> SpecialT
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
         unk_token=token_at("tokenizer.ggml.unknown_token_id"),
         pad_token=token_at("tokenizer.ggml.padding_token_id"),
-        add_bos_token=bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
         chat_template=_gguf_value(reader, "tokenizer.chat_template"),
         extra_eos_token_ids=extra_eos,
     )
@@ -165,16 +189,91 @@ def _pre_tokenizer_for(pre_type: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([*splits, byte_level])
 
 
+def _build_sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE with byte fallback, shaped as transformers' Gemma and Llama tokenizers."""
+    gemma = _gguf_value(reader, "general.architecture") in _GEMMA_ARCHITECTURES
+    if gemma:
+        tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    file_merges = _gguf_value(reader, "tokenizer.ggml.merges")
+    if file_merges:
+        merges = [_split_merge(m) for m in file_merges]
+    else:
+        scores = _gguf_value(reader, "tokenizer.ggml.scores")
+        if gemma or scores is None:
+            ranking = {token: -token_id for token_id, token in enumerate(tokens)}
+        else:
+            ranking = dict(zip(tokens, scores, strict=False))
+        merges = _merges_by_rank(vocab, ranking)
+    unk_id = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    backend = tokenizers.Tokenizer(
+        BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if _gguf_value(reader, "tokenizer.ggml.add_space_prefix", True):  # llama.cpp's default
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPM_SPACE, prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        # After that normalizer this split finds no space; it is kept only so the exported
+        # tokenizer.json is transformers' own.
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_by_rank(
+    vocab: Mapping[str, int], ranking: Mapping[str, float]
+) -> list[tuple[str, str]]:
+    """BPE merges for a vocabulary that ranks whole tokens instead of listing merges.
+
+    SentencePiece joins the adjacent pair whose joined token ranks highest, so every cut of a
+    token into two vocabulary tokens becomes a merge, ordered as transformers'
+    `generate_merges` orders them: higher-ranked token first, then longer left piece, then
+    longer right piece, then vocabulary order.
+    """
+    merges: list[tuple[str, str]] = []
+    in_order = True  # tokens with merges come by strictly falling rank: no sort needed
+    previous = float("inf")
+    for token, rank in ranking.items():
+        count = len(merges)
+        for cut in range(len(token) - 1, 0, -1):  # longer left piece first
+            left = token[:cut]
+            if left in vocab and (right := token[cut:]) in vocab:
+                merges.append((left, right))
+        if len(merges) > count:
+            in_order = in_order and rank < previous
+            previous = rank
+    if not in_order:
+        # Stable, so ties keep vocabulary order; a merge's two pieces spell its token.
+        merges.sort(key=lambda m: (-ranking[m[0] + m[1]], -len(m[0]), -len(m[1])))
+    return merges
+
+
 def _register_added_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]
+    backend: tokenizers.Tokenizer,
+    tokens: list[str],
+    token_types: list[int],
+    special: SpecialTokens,
 ) -> None:
-    """Control tokens become special (never split, skippable); user-defined ones plain added."""
+    """Control tokens and the named special ones become special (never split, skippable);
+    user-defined ones plain added tokens, as transformers adds them."""
+    model = backend.model
     control, user = [], []
     for token, token_type in zip(tokens, token_types, strict=False):
         if token_type == _TOKEN_TYPE_CONTROL:
             control.append(AddedToken(token, special=True, normalized=False))
-        elif token_type == _TOKEN_TYPE_USER_DEFINED:
+        elif token_type == _TOKEN_TYPE_USER_DEFINED and model.token_to_id(token) is not None:
+            # (One the model spells differently, a run of spaces in a Gemma vocabulary, is
+            # left to the model, as transformers leaves it.)
             user.append(AddedToken(token, special=False, normalized=False))
+    added = {token.content for token in (*control, *user)}
+    named = (special.bos_token, special.eos_token, special.unk_token, special.pad_token)
+    for token in dict.fromkeys(t for t in named if t is not None and t not in added):
+        control.append(AddedToken(token, special=True, normalized=False))
     backend.add_special_tokens(control)
     backend.add_tokens(user)
 
