@@ -42,9 +42,7 @@ def prompts(count: int, seed: int, low: int = 20, high: int = 60) -> list[list[i
 
 
 def greedy(llm: LLM, batch: list[list[int]], n: int = 1):
-    params = SamplingParams(
-        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=n
-    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=n)
     return llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
 

@@ -25,9 +25,7 @@ def gemma_like(layer_types: list[str], window: int = 512) -> ModelConfig:
 
 
 def gemma3_270m() -> ModelConfig:
-    return gemma_like(
-        [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(18)]
-    )
+    return gemma_like([SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(18)])
 
 
 def test_layout_groups_full_layers_first_in_equal_groups():
