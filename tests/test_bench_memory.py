@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 
 from forklift.bench.kv_calc import budget_breakdown, kv_cache_bytes
 from forklift.bench.memory.figures import seed_figures
@@ -70,6 +71,22 @@ def test_kv_calc_reads_the_default_model(capsys):
     out = capsys.readouterr().out
     # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64.
     assert "2 x 30 x 3 x 64 x 1 x 2" in out
+
+
+def test_kv_calc_counts_sliding_window_groups(capsys, tmp_path):
+    # Tiny Gemma 3: a sliding (window 12) and a full layer, 2 KV heads x 16, fp32.
+    make_tiny_model("gemma3", tmp_path)
+    args = ["kv-calc", "--model", str(tmp_path), "--tokens", "64", "--dtype", "float32",
+            "--block-size", "4", "--chunk", "8", "--budget-bytes", "65536"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "KV groups of 1 layers (1 full, 1 windowed)" in out
+    # Full group: 16 blocks. Windowed: 11 positions back plus the step's tokens, one more
+    # block boundary at worst: 4 blocks decoding, 6 while 8-token chunks run.
+    assert "decoding: 20 blocks" in out
+    assert "prefilling 8-token chunks: 22 blocks" in out
+    # 65,536 bytes / (20 blocks x 4 tokens x 1 layer x 2 x 2 x 16 x 4 bytes) = 3 requests.
+    assert "3 decoding requests at once" in out
 
 
 def test_kv_calc_rejects_zero_layers(capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from forklift.core.kv_cache_manager import blocks_for_tokens
+from forklift.core.kv_cache_manager import blocks_for_tokens, window_blocks
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 
@@ -22,6 +22,44 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class WindowedGroups:
+    """A model whose sliding-window layers have KV groups of their own (model/kv_layout.py):
+    `full_groups` and `windowed_groups` groups of `layers_per_group` layers each."""
+
+    layers_per_group: int
+    full_groups: int
+    windowed_groups: int
+    window: int
+
+    def blocks_per_sequence(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        full = blocks_for_tokens(num_tokens, block_size)
+        windowed = min(full, window_blocks(self.window, chunk, block_size))
+        return self.full_groups * full + self.windowed_groups * windowed
+
+    def lines(self, shape: KVShape, num_tokens: int, dtype: str, block_size: int,
+              chunk: int) -> list[str]:  # fmt: skip
+        element = dtype_bytes(dtype)
+        block = 2 * self.layers_per_group * shape.num_kv_heads * shape.head_dim * element
+        block *= block_size
+        full = kv_cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_tokens,
+                              element)  # fmt: skip
+        lines = [
+            f"sliding-window layers keep their last {self.window} positions: KV groups of "
+            f"{self.layers_per_group} layers ({self.full_groups} full, {self.windowed_groups} "
+            f"windowed), blocks of {block_size} tokens x {self.layers_per_group} layers = "
+            f"{block:,} bytes"
+        ]
+        for label, step in (("decoding", 1), (f"prefilling {chunk}-token chunks", chunk)):
+            blocks = self.blocks_per_sequence(num_tokens, block_size, step)
+            held = blocks * block
+            lines.append(
+                f"  one {num_tokens}-token sequence, {label}: {blocks:,} blocks = "
+                f"{format_bytes(held)} ({held / full:.3f} of every layer's full context)"
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -169,15 +207,23 @@ def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--budget-bytes", type=int, default=None)
     calc.add_argument("--block-size", type=int, default=16)
     calc.add_argument("--request-len", type=int, default=None, help="default: --tokens")
+    calc.add_argument(
+        "--chunk", type=int, default=2048,
+        help="tokens a prefill step computes (the engine's max_num_batched_tokens): "
+        "sliding-window layers hold them beside their window",
+    )  # fmt: skip
     calc.set_defaults(func=cmd_kv_calc)
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:
     _check_args(args)
-    shape, state, source = _shape_from_args(args)
+    shape, state, windowed, source = _shape_from_args(args)
     print(source)
     for line in formula_lines(shape, args.tokens, args.dtype):
         print(line)
+    if windowed is not None:
+        for line in windowed.lines(shape, args.tokens, args.dtype, args.block_size, args.chunk):
+            print(line)
     if state is not None:
         for line in state.lines(args.dtype):
             print(line)
@@ -190,6 +236,14 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
         breakdown = budget_breakdown(budget, per_token, args.block_size, request_len)
         for line in breakdown_lines(breakdown):
             print(line)
+        if windowed is not None:
+            held = windowed.blocks_per_sequence(request_len, args.block_size, 1)
+            per_block = per_token * args.block_size * windowed.layers_per_group
+            per_block //= shape.num_layers
+            print(
+                f"  with the windowed groups: {budget // (held * per_block):,} decoding "
+                f"requests at once ({held:,} blocks of {per_block:,} bytes each)"
+            )
         if state is not None:
             per_request = breakdown.blocks_per_request * breakdown.bytes_per_block
             per_request += state.bytes_per_sequence(dtype_bytes(args.dtype))
@@ -211,6 +265,7 @@ def _check_args(args: argparse.Namespace) -> None:
         ("--budget-bytes", args.budget_bytes),
         ("--block-size", args.block_size),
         ("--request-len", args.request_len),
+        ("--chunk", args.chunk),
     ):
         if value is not None:
             require_positive(flag, value)
@@ -218,12 +273,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _shape_from_args(
     args: argparse.Namespace,
-) -> tuple[KVShape, LinearStateShape | None, str]:
+) -> tuple[KVShape, LinearStateShape | None, WindowedGroups | None, str]:
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if None not in explicit:
-        return KVShape(*explicit), None, "shape: given on the command line"
+        return KVShape(*explicit), None, None, "shape: given on the command line"
     # Imported here: reading a model pulls in its loaders, which explicit shapes never need.
     from forklift.checkpoint.source import resolve_model
+    from forklift.model.kv_layout import kv_layout
     from forklift.model.model_source import load_model_config
 
     source = resolve_model(args.model)
@@ -241,7 +297,14 @@ def _shape_from_args(
             linear.conv_state_elements(),
             linear.recurrent_state_elements(),
         )
-    return shape, state, f"model: {source.path.name} ({config.architecture})"
+    layout = kv_layout(config)
+    windowed = None
+    windows = layout.windows
+    if args.layers is None and None in windows and any(w is not None for w in windows):
+        window = next(w for w in windows if w is not None)
+        full = windows.count(None)
+        windowed = WindowedGroups(layout.layers_per_block, full, len(windows) - full, window)
+    return shape, state, windowed, f"model: {source.path.name} ({config.architecture})"
 
 
 def _budget_bytes(args: argparse.Namespace) -> int | None:
