@@ -126,12 +126,15 @@ def write_gguf(
     tokenizer: Mapping[str, Any] | None = None,
     *,
     write_vocab_size: bool = True,
+    raw_blocks: Mapping[str, tuple[np.ndarray, str]] | None = None,
 ) -> Path:
     """Write `state_dict` (HF names and layouts) as a GGUF file at `path`.
 
     `hf_config` is an HF config dict, a transformers config or a model. Matrices are stored as
     `qtype` (any name in `gguf.GGMLQuantizationType`); 1-D tensors stay F32 like the converter
     keeps them. `tokenizer` maps full GGUF metadata keys (e.g. "tokenizer.ggml.tokens") to values.
+    `raw_blocks` maps HF names to (block bytes [N, bytes per row], block type) stored as they
+    are in place of the state dict's tensor (for types gguf-py cannot quantize, e.g. Q4_K).
     """
     config = ModelConfig.from_hf_config(_hf_config_dict(hf_config))
     matrix_type = gguf.GGMLQuantizationType[qtype]
@@ -140,6 +143,11 @@ def write_gguf(
     _write_raw_metadata(writer, tokenizer or {})
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if raw_blocks and name in raw_blocks:
+            blocks, block_type = raw_blocks[name]
+            raw_type = gguf.GGMLQuantizationType[block_type]
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=raw_type)
             continue
         array = tensor.detach().to(torch.float32).cpu().numpy()
         array = _converter_layout(name, array, config)

@@ -7,7 +7,7 @@ is the same whichever format the checkpoint came in.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import gguf
@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from forklift.checkpoint.tensors import layer_name
-from forklift.model.layers.quantized import GROUP_SIZE, Int4Groups
-from forklift.model.model_config import ModelConfig
+from forklift.model import gguf_blocks
+from forklift.model.layers.quantized import Int4Groups, Int8Blocks
+from forklift.model.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 # Architectures whose q/k rows the llama.cpp converter permutes for its rotary layout.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -40,6 +43,21 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+# Gemma 3 names its four norms apart (ffn_norm is the pre-MLP norm, as in Llama, but HF
+# calls that one pre_feedforward_layernorm there).
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma norms scale by 1 + w; llama.cpp's converter stores 1 + w, HF stores w.
+_ONE_PLUS_NORM_ARCHITECTURES = ("gemma3",)
+# llama.cpp's constants for Gemma 3 that its files do not carry: every sixth layer is global,
+# the local layers' rotary base is 10,000.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
@@ -91,10 +109,9 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
             f"GGUF files of the hybrid {arch!r} architecture are not supported yet; serve the "
             "model's Hugging Face safetensors directory instead"
         )
-    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+    if arch not in _ARCHITECTURES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; forklift supports llama, mistral, "
-            "qwen2 and qwen3"
+            f"unsupported GGUF architecture {arch!r}; forklift supports {', '.join(_ARCHITECTURES)}"
         )
     names = _tensor_names(reader)
     if "rope_freqs.weight" in names:
@@ -107,15 +124,18 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv")
     head_dim = _field(reader, f"{arch}.attention.key_length")
     sliding_window = _field(reader, f"{arch}.attention.sliding_window")
+    num_layers = int(_required(reader, f"{arch}.block_count"))
+    head_dim = int(head_dim) if head_dim else hidden // num_heads
+    gemma = _gemma3_fields(num_layers, hidden, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
         intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_required(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads) if num_kv_heads else num_heads,
-        head_dim=int(head_dim) if head_dim else hidden // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length") or 2048),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
@@ -126,7 +146,26 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(reader),
+        **gemma,
     )
+
+
+def _gemma3_fields(num_layers: int, hidden: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp assumes for every Gemma 3 file. The logit scale is 1 / sqrt(head_dim),
+    which is query_pre_attn_scalar ** -0.5 for every released size but 27B (whose GGUF
+    llama.cpp scales by hidden / heads instead; forklift follows the file's head_dim)."""
+    return {
+        "layer_types": tuple(
+            SLIDING_ATTENTION if (i + 1) % _GEMMA3_SLIDING_PATTERN else FULL_ATTENTION
+            for i in range(num_layers)
+        ),
+        "local_rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
+        "attention_multiplier": head_dim**-0.5,
+        "embedding_multiplier": hidden**0.5,
+        "mlp_activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "zero_centred_norms": True,
+    }
 
 
 def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
@@ -162,13 +201,14 @@ def _eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face parameter name."""
     layer = _LAYER_NAME.fullmatch(gguf_name)
+    parts = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     if layer is not None:
         index, part, kind = layer.groups()
-        if part in _LAYER_TENSORS:
-            return layer_name(int(index), f"{_LAYER_TENSORS[part]}.{kind}")
+        if part in parts:
+            return layer_name(int(index), f"{parts[part]}.{kind}")
     else:
         top = _GLOBAL_NAME.fullmatch(gguf_name)
         if top is not None and top.group(1) in _GLOBAL_TENSORS:
@@ -181,58 +221,67 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` for every tensor, dequantized and in HF layout."""
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         array = _dequantize(reader, tensor)
         if config.architecture in _PERMUTED_ARCHITECTURES:
             array = _unpermute_rotary(array, tensor.name, config)
+        if config.architecture in _ONE_PLUS_NORM_ARCHITECTURES and name.endswith("norm.weight"):
+            array -= 1.0
         yield name, torch.from_numpy(array)
-
-
-# Block types that are the int4 kernel's form as they stand: 32 values, a scale and an offset.
-_INT4_BLOCKS = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}
 
 
 def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
     """HF parameter name -> the GGUF block type it is stored in (Q4_1, Q8_0, F32, ...)."""
-    return {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+    arch = _field(reader, "general.architecture") or "llama"
+    return {hf_tensor_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
 
 
 def iter_gguf_int4_groups(
-    reader: gguf.GGUFReader, config: ModelConfig
+    reader: gguf.GGUFReader, config: ModelConfig, names: Collection[str] | None = None
 ) -> Iterator[tuple[str, Int4Groups]]:
-    """Yield `(hf_name, Int4Groups)` for every Q4_0 / Q4_1 tensor, read from its blocks with no
-    dense detour: Q4_1 is d * q + m, i.e. scale d and zero m + 8d; Q4_0 is d * (q - 8)."""
-    for tensor in reader.tensors:
-        block_bytes = _INT4_BLOCKS.get(tensor.tensor_type)
-        if block_bytes is None:
-            continue
-        groups = _int4_groups(tensor, block_bytes)
+    """Yield `(hf_name, Int4Groups)` for every Q4_0 / Q4_1 / Q4_K matrix (of `names`, when
+    given), read exactly from its blocks with no dense detour (gguf_blocks.int4_groups)."""
+    for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT4_TYPES, names):
+        groups = gguf_blocks.int4_groups(tensor.data, tensor.tensor_type, shape)
         if config.architecture in _PERMUTED_ARCHITECTURES:
-            groups = Int4Groups(
-                *(
-                    torch.from_numpy(_unpermute_rotary(part.numpy(), tensor.name, config))
-                    for part in (groups.codes, groups.scales, groups.zeros)
-                )
-            )
-        yield hf_tensor_name(tensor.name), groups
+            parts = (groups.codes, groups.scales, groups.zeros)
+            groups = Int4Groups(*_unpermute_rows(parts, tensor.name, config))
+        yield name, groups
 
 
-def _int4_groups(tensor: Any, block_bytes: int) -> Int4Groups:
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml order: [K, N]
-    blocks = np.asarray(tensor.data).reshape(rows, cols // GROUP_SIZE, block_bytes)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
-        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scales
-    else:
-        zeros = np.zeros_like(scales)
-    nibbles = blocks[..., block_bytes - GROUP_SIZE // 2 :]
-    # Element j of a block is the low nibble of byte j for j < 16, the high one of byte j - 16.
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
-    return Int4Groups(
-        torch.from_numpy(np.ascontiguousarray(codes)),
-        torch.from_numpy(scales),
-        torch.from_numpy(zeros),
-    )
+def iter_gguf_int8_blocks(
+    reader: gguf.GGUFReader, config: ModelConfig, names: Collection[str] | None = None
+) -> Iterator[tuple[str, Int8Blocks]]:
+    """Yield `(hf_name, Int8Blocks)` for every matrix (of `names`, when given) whose block
+    type has an int8 form (gguf_blocks.int8_blocks: exact for Q8_0 / Q5_0 / Q4_0)."""
+    for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT8_TYPES, names):
+        blocks = gguf_blocks.int8_blocks(tensor.data, tensor.tensor_type, shape)
+        if config.architecture in _PERMUTED_ARCHITECTURES:
+            codes, scales = _unpermute_rows((blocks.codes, blocks.scales), tensor.name, config)
+            blocks = Int8Blocks(codes, scales, blocks.exact)
+        yield name, blocks
+
+
+def _block_matrices(
+    reader: gguf.GGUFReader,
+    config: ModelConfig,
+    types: Collection[str],
+    names: Collection[str] | None,
+) -> Iterator[tuple[Any, str, tuple[int, int]]]:
+    """(tensor, hf name, [N, K]) of the file's matrices stored in one of `types`."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in types or len(tensor.shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name, config.architecture)
+        if names is None or name in names:
+            yield tensor, name, (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml: [K, N]
+
+
+def _unpermute_rows(
+    parts: tuple[torch.Tensor, ...], gguf_name: str, config: ModelConfig
+) -> list[torch.Tensor]:
+    """`_unpermute_rotary` of per-row tensors (codes and their per-group scales alike)."""
+    return [torch.from_numpy(_unpermute_rotary(p.numpy(), gguf_name, config)) for p in parts]
 
 
 def _dequantize(reader: gguf.GGUFReader, tensor: Any) -> np.ndarray:

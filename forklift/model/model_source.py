@@ -12,6 +12,7 @@ from forklift.model.gguf_loader import (
     gguf_model_config,
     gguf_tensor_types,
     iter_gguf_int4_groups,
+    iter_gguf_int8_blocks,
     iter_gguf_weights,
 )
 from forklift.model.model_config import ModelConfig
@@ -40,12 +41,15 @@ def iter_model_weights(
 
 def quantization_plan(source: ModelSource, config: ModelConfig, method: str) -> QuantizationPlan:
     """The plan for a resolved method ("none", "gguf", "int4", "int8"): a GGUF file lends its
-    block types and its exact int4 blocks."""
+    block types, its exact int4 groups and its int8 blocks."""
     if method == "none":
         return NO_QUANTIZATION
     if source.format != "gguf":
         return QuantizationPlan(method)
     reader = source.gguf_reader()
     return QuantizationPlan(
-        method, gguf_tensor_types(reader), partial(iter_gguf_int4_groups, reader, config)
+        method,
+        gguf_tensor_types(reader),
+        partial(iter_gguf_int4_groups, reader, config),
+        partial(iter_gguf_int8_blocks, reader, config),
     )

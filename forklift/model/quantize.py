@@ -1,10 +1,17 @@
 """Which linear layers run quantized, in which form, and from which source.
 
 `quantization` (vLLM's name) is resolved once per engine into a `QuantizationPlan`:
-- "gguf": a GGUF file at its own precision: Q4_0 / Q4_1 tensors become int4 groups straight
-  from their blocks, Q8_0 tensors int8 rows; other block types stay dense.
+- "gguf": a GGUF file at its own precision (forklift/model/gguf_blocks.py decodes the blocks):
+  Q4_0 / Q4_1 / Q4_K tensors serve as int4, their groups exactly the file's (the native
+  kernels' fp16 scales round Q4_K's, by 2^-11 relative at most); Q8_0, Q5_0, Q5_1, Q5_K and Q6_K
+  tensors as int8, and so does a fused layer whose parts mix int4 and int8 types. On the native
+  kernels an int8 layer takes the file's blocks as they are where every part is Q8_0, Q5_0 or
+  Q4_0 ("gguf blocks"), otherwise a round-to-nearest per 32 inputs of its exactly dequantized
+  values; on PyTorch's kernels int8 is a round-to-nearest per row of the dense weight. Other
+  types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) stay dense.
 - "int4" / "int8": round-to-nearest of the dense weights at load (int4 groups of 32 inputs,
-  or int8 with a scale per row); Q4_0 / Q4_1 GGUF tensors still take their exact blocks.
+  or int8 with a scale per row); Q4_0 / Q4_1 / Q4_K GGUF tensors still take their exact
+  groups, and int8 layers on the native kernels their file's int8 blocks as above.
 - "none": dense weights in the model's dtype (the HF-parity path).
 A quantized layer keeps its dense weight too: prefill chunks run the dense GEMM.
 
@@ -21,19 +28,23 @@ reads int8 rows. The embedding lookup always stays dense.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+from forklift.model.gguf_blocks import INT4_TYPES, INT8_TYPES
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import (
     GROUP_SIZE,
     Int4Groups,
+    Int8Blocks,
     PackedInt4,
     PackedInt8,
     QuantizedWeight,
     cat_groups,
+    cat_int8_blocks,
     int4_groups_from_dense,
     int4_kernel_available,
 )
@@ -44,17 +55,18 @@ from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
 
 logger = logging.getLogger("forklift")
 
-# GGUF block types served as int8 rows in "gguf" mode.
-_INT8_GGUF_TYPES = frozenset({"Q8_0"})
+_Blocks = TypeVar("_Blocks", Int4Groups, Int8Blocks)
 
 
 @dataclass(frozen=True)
 class QuantizationPlan:
-    """How one engine quantizes; `int4_groups` yields a GGUF file's exact int4 blocks."""
+    """How one engine quantizes. A GGUF file's plan reads the blocks of the tensors it is
+    given: `int4_groups` exactly, `int8_blocks` exactly or rounded (`Int8Blocks.exact`)."""
 
     method: str  # "none", "gguf", "int4" or "int8"
     tensor_types: dict[str, str] = field(default_factory=dict)  # GGUF: hf name -> block type
-    int4_groups: Callable[[], Iterable[tuple[str, Int4Groups]]] | None = None
+    int4_groups: Callable[[Collection[str]], Iterable[tuple[str, Int4Groups]]] | None = None
+    int8_blocks: Callable[[Collection[str]], Iterable[tuple[str, Int8Blocks]]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -127,17 +139,19 @@ def quantize_model(
     if not plan.enabled:
         return report
     sources = _sources_of(model.config)
-    exact = _exact_int4_groups(model, plan, sources)
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Linear)}
+    forms: dict[str, str | None] = {}
+    for param, module in linears.items():
+        dense_head = param == "lm_head.weight" and kernel is None and _is_bf16(module.packed_weight)
+        forms[param] = None if dense_head else _form_for(plan, sources[param])
+    from_file = _file_blocks(model, plan, sources, forms, kernel)
+    for param, module in linears.items():
+        form = forms[param]
+        if form is None:
             continue
-        param = f"{name}.weight"
-        form = _form_for(plan, sources[param])
-        dense_head = kernel is None and _is_bf16(module.packed_weight)
-        if form is None or (param == "lm_head.weight" and dense_head):
-            continue
-        precise = _takes_precise_activations(name)
-        weight, source = _quantize_weight(module.weight, form, exact.get(param), kernel, precise)
+        precise = _takes_precise_activations(param.removesuffix(".weight"))
+        blocks = from_file.get(param)
+        weight, source = _quantize_weight(module.weight, form, blocks, kernel, precise)
         module.quantized = weight
         report.tensors.append(QuantizedTensor(param, form, source, weight.nbytes))
         logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
@@ -177,12 +191,17 @@ def _takes_precise_activations(module_name: str) -> bool:
 def _quantize_weight(
     weight: torch.Tensor,
     form: str,
-    exact: Int4Groups | None,
+    from_file: Int4Groups | Int8Blocks | None,
     kernel: QuantMatmulKernel | None,
     precise: bool = False,
 ) -> tuple[QuantizedWeight, str]:
+    """The quantized copy and its source; `from_file` is the layer's file blocks in `form`."""
     if form == "int8":
+        if isinstance(from_file, Int8Blocks) and kernel is not None:
+            source = "gguf blocks" if from_file.exact else "round-to-nearest"
+            return BlockInt8.from_blocks(from_file, kernel, precise), source
         return _int8(weight, kernel, precise), "round-to-nearest"
+    exact = from_file if isinstance(from_file, Int4Groups) else None
     groups = exact if exact is not None else int4_groups_from_dense(weight)
     source = "gguf blocks" if exact is not None else "round-to-nearest"
     if kernel is not None:
@@ -205,9 +224,9 @@ def _form_for(plan: QuantizationPlan, hf_names: list[str]) -> str | None:
     if plan.method == "int4":
         return "int8"  # an untied LM head: 4 bits cost it more accuracy than any other layer
     types = {plan.tensor_types.get(n) for n in hf_names}
-    if types <= {"Q4_0", "Q4_1"}:
+    if types <= INT4_TYPES:
         return "int4"
-    if types <= {"Q4_0", "Q4_1"} | _INT8_GGUF_TYPES:
+    if types <= INT4_TYPES | INT8_TYPES:
         return "int8"
     return None
 
@@ -222,43 +241,87 @@ def _sources_of(config: ModelConfig) -> dict[str, list[str]]:
     return {param: [n for _, n in sorted(parts)] for param, parts in sources.items()}
 
 
-def _exact_int4_groups(
-    model: LlamaForCausalLM, plan: QuantizationPlan, sources: dict[str, list[str]]
-) -> dict[str, Int4Groups]:
-    """Model parameter -> its int4 groups from the file, where every part has them."""
-    if plan.int4_groups is None or plan.method == "int8":
+def _file_blocks(
+    model: LlamaForCausalLM,
+    plan: QuantizationPlan,
+    sources: dict[str, list[str]],
+    forms: dict[str, str | None],
+    kernel: QuantMatmulKernel | None,
+) -> dict[str, Int4Groups | Int8Blocks]:
+    """Model parameter -> its weight in the file's blocks, where every part has them: int4
+    groups for int4 layers, and int8 blocks for int8 layers on the native kernels (PyTorch's
+    int8 kernel takes a scale per row, not per block)."""
+    found: dict[str, Int4Groups | Int8Blocks] = {}
+    if plan.int4_groups is not None:
+        params = [p for p, form in forms.items() if form == "int4"]
+        found.update(_gather(model, plan.int4_groups, sources, params, _shard_groups, cat_groups))
+    if plan.int8_blocks is not None and kernel is not None:
+        params = [p for p, form in forms.items() if form == "int8"]
+        found.update(
+            _gather(model, plan.int8_blocks, sources, params, _shard_int8_blocks, cat_int8_blocks)
+        )
+    return found
+
+
+def _gather(
+    model: LlamaForCausalLM,
+    read: Callable[[Collection[str]], Iterable[tuple[str, _Blocks]]],
+    sources: dict[str, list[str]],
+    params: list[str],
+    shard: Callable[[LlamaForCausalLM, str, _Blocks], _Blocks | None],
+    cat: Callable[[list[_Blocks]], _Blocks],
+) -> dict[str, _Blocks]:
+    """`params` -> their parts' blocks (this rank's slices) stacked, where `read` has all."""
+    if not params:
         return {}
-    by_hf: dict[str, Int4Groups] = {}
-    for hf_name, groups in plan.int4_groups():
-        if model.shard is not None:
-            groups = _shard_groups(model, hf_name, groups)
-            if groups is None:
-                continue
-        by_hf[hf_name] = groups
-    exact = {}
-    for param, hf_names in sources.items():
-        if all(n in by_hf for n in hf_names):
-            exact[param] = cat_groups([by_hf[n] for n in hf_names])
-    return exact
+    by_hf: dict[str, _Blocks] = {}
+    for hf_name, blocks in read({n for p in params for n in sources[p]}):
+        sliced = blocks if model.shard is None else shard(model, hf_name, blocks)
+        if sliced is not None:
+            by_hf[hf_name] = sliced
+    return {
+        p: cat([by_hf[n] for n in sources[p]])
+        for p in params
+        if all(n in by_hf for n in sources[p])
+    }
 
 
 def _shard_groups(model: LlamaForCausalLM, hf_name: str, groups: Int4Groups) -> Int4Groups | None:
     """A tensor-parallel rank's slice of int4 groups; None when the slice cuts a group (the
     layer then falls back to round-to-nearest of its dense shard)."""
+    parts = _shard_per_group(model, hf_name, groups.codes, (groups.scales, groups.zeros))
+    return None if parts is None else Int4Groups(*parts)
+
+
+def _shard_int8_blocks(
+    model: LlamaForCausalLM, hf_name: str, blocks: Int8Blocks
+) -> Int8Blocks | None:
+    """As `_shard_groups`, for int8 blocks."""
+    parts = _shard_per_group(model, hf_name, blocks.codes, (blocks.scales,))
+    return None if parts is None else Int8Blocks(*parts, exact=blocks.exact)
+
+
+def _shard_per_group(
+    model: LlamaForCausalLM,
+    hf_name: str,
+    codes: torch.Tensor,
+    per_group: tuple[torch.Tensor, ...],
+) -> list[torch.Tensor] | None:
+    """This rank's slice of [N, K] codes and of their [N, K / 32] per-group values; None
+    when it cuts a group."""
     assert model.shard is not None
     config = model.full_config
-    n, k = groups.shape
+    n, k = codes.shape
     columns = model.shard.shard(hf_name, torch.arange(k).expand(n, k), config)[0]
     if columns[0] % GROUP_SIZE or columns.numel() % GROUP_SIZE:
         return None
-    codes = model.shard.shard(hf_name, groups.codes, config)
 
     def shard_per_group(values: torch.Tensor) -> torch.Tensor:
         full = values.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]: one value per input
         return model.shard.shard(hf_name, full, config)[:, ::GROUP_SIZE].contiguous()
 
-    return Int4Groups(codes.contiguous(), shard_per_group(groups.scales),
-                      shard_per_group(groups.zeros))  # fmt: skip
+    sliced = model.shard.shard(hf_name, codes, config).contiguous()
+    return [sliced, *(shard_per_group(values) for values in per_group)]
 
 
 def _is_bf16(packed: torch.Tensor | None) -> bool:

@@ -78,6 +78,34 @@ def cat_groups(parts: list[Int4Groups]) -> Int4Groups:
     )
 
 
+@dataclass(frozen=True)
+class Int8Blocks:
+    """Unpacked 8-bit weights: w[n, k] = codes[n, k] * scales[n, k // 32]. GGUF's Q8_0, Q5_0
+    and Q4_0 blocks are exactly this form (`exact`); other block types come rounded to it."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K / 32] float32
+    exact: bool = True  # the file's own values, not a rounding of them
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        grouped = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (grouped * self.scales[..., None]).view(n, k)
+
+
+def cat_int8_blocks(parts: list[Int8Blocks]) -> Int8Blocks:
+    """Stack the output rows of several weights, as `cat_groups` does."""
+    return Int8Blocks(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        all(p.exact for p in parts),
+    )
+
+
 def int4_groups_from_dense(weight: torch.Tensor) -> Int4Groups:
     """Round-to-nearest asymmetric 4-bit quantization, per group of 32 inputs (Q4_1's rule:
     the group's minimum maps to code 0 and its maximum to code 15)."""
