@@ -1,4 +1,5 @@
-"""A whole decode step in one native call (csrc/decode_step.c), for the Llama family.
+"""A whole decode step in one native call (csrc/decode_step.c), for the Llama family and
+Gemma 3.
 
 `NativeDecodeStep.bind` reads the model once into C structs of raw pointers (weights,
 norms, rotary tables, each layer's KV cache); a step then passes only its index tensors.
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from forklift.model.layers.norm import RMSNorm
+from forklift.model.gemma3 import Gemma3ForCausalLM
+from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.native.build import load_native_library
@@ -57,6 +59,20 @@ class _StepLayer(ctypes.Structure):
         ("down", _QuantWeight),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("group", ctypes.c_int64),
+    ]
+
+
+class _StepGroup(ctypes.Structure):
+    _fields_ = [
+        ("slots", ctypes.c_void_p),
+        ("blocks", ctypes.c_void_p),
+        ("table_width", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
     ]
 
 
@@ -70,10 +86,11 @@ class _StepModel(ctypes.Structure):
         ("is_bf16", ctypes.c_int),
         ("embed", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
-        ("rope_cos", ctypes.c_void_p),
-        ("rope_sin", ctypes.c_void_p),
         ("head", _QuantWeight),
         ("layers", ctypes.POINTER(_StepLayer)),
+        ("norm_offset", ctypes.c_float),
+        ("embed_scale", ctypes.c_float),
+        ("gelu", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -100,8 +117,8 @@ def _head_weight(model: LlamaForCausalLM) -> object:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why this model cannot run the native step (None: it can)."""
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not a Llama-family model"
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
+        return f"{type(model).__name__} is neither a Llama-family nor a Gemma 3 model"
     if model.tp is not None:
         return "tensor parallelism"
     if model.embed_tokens.weight.dtype not in _DTYPE_FLAGS:
@@ -116,15 +133,24 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return (
                 "layers without native block weights (quantization none, or decode_backend torch)"
             )
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms = [*_layer_norms(layer), model.norm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if not all(type(n) is RMSNorm for n in norms):
-            return "norms other than RMSNorm"
+        if len({type(n) for n in norms}) != 1 or type(norms[0]) not in _NORM_OFFSETS:
+            return "norms other than RMSNorm (or, throughout, the 1 + w kind)"
     if not isinstance(_head_weight(model), blocks):
         return "an LM head without native block weights"
-    if type(model.norm) is not RMSNorm:
-        return "a final norm other than RMSNorm"
     return None
+
+
+# The native norm scales by offset + w: RMSNorm's w, Gemma's (zero-centred) 1 + w.
+_NORM_OFFSETS = {RMSNorm: 0.0, ZeroCentredRMSNorm: 1.0}
+
+
+def _layer_norms(layer: nn.Module) -> list[nn.Module]:
+    """A layer's norms: before attention, before the MLP and (Gemma) after each."""
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")  # fmt: skip
+    return [getattr(layer, name) for name in names if hasattr(layer, name)]
 
 
 class StepBinding:
@@ -136,14 +162,25 @@ class StepBinding:
         kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         dtype = model.embed_tokens.weight.dtype
         self.vocab = config.vocab_size
+        gemma = isinstance(model, Gemma3ForCausalLM)
+        global_rope = (model.rotary.cos.contiguous(), model.rotary.sin.contiguous())
+        local_rope = (
+            (model.local_rotary.cos.contiguous(), model.local_rotary.sin.contiguous())
+            if gemma else global_rope
+        )  # fmt: skip
+        self._ropes = (global_rope, local_rope)
         layers = []
         for layer, (keys, values) in zip(model.layers, layer_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             if keys.dtype != dtype or values.dtype != dtype:
                 raise ValueError("the native decode step needs the KV cache in the model's dtype")
+            # Gemma: post_attention_layernorm norms attention's output, and the MLP's input
+            # norm is pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
+            pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+            cos, sin = local_rope if getattr(layer, "is_sliding", False) else global_rope
             layers.append(_StepLayer(
                 _pointer(layer.input_layernorm.weight),
-                _pointer(layer.post_attention_layernorm.weight),
+                _pointer(pre_mlp.weight),
                 _pointer(attn.q_norm.weight) if attn.q_norm is not None else None,
                 _pointer(attn.k_norm.weight) if attn.k_norm is not None else None,
                 _pointer(attn.qkv_proj.bias),
@@ -154,16 +191,22 @@ class StepBinding:
                 _quant_weight(mlp.down_proj.quantized),
                 _pointer(keys),
                 _pointer(values),
+                _pointer(layer.post_attention_layernorm.weight) if gemma else None,
+                _pointer(layer.post_feedforward_layernorm.weight) if gemma else None,
+                _pointer(cos),
+                _pointer(sin),
+                getattr(layer, "kv_group", 0),
             ))  # fmt: skip
         self._layers = (_StepLayer * len(layers))(*layers)
-        self._rope = (model.rotary.cos.contiguous(), model.rotary.sin.contiguous())
+        self.num_groups = 1 + max(layer.group for layer in layers)
         self.model = _StepModel(
             config.num_layers, config.hidden_size, config.num_heads, kv_heads, head_dim,
             config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
             block_size, config.rms_norm_eps, model.layers[0].self_attn.scale,
             _DTYPE_FLAGS[dtype], _pointer(model.embed_tokens.weight), _pointer(model.norm.weight),
-            _pointer(self._rope[0]), _pointer(self._rope[1]), _quant_weight(_head_weight(model)),
-            self._layers,
+            _quant_weight(_head_weight(model)), self._layers,
+            _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
+            int(config.mlp_activation == "gelu_tanh"),
         )  # fmt: skip
 
 
@@ -183,8 +226,7 @@ class NativeDecodeStep:
         function = library.forklift_decode_step
         function.argtypes = [
             ctypes.POINTER(_StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_void_p,
+            ctypes.POINTER(_StepGroup), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -212,26 +254,33 @@ class NativeDecodeStep:
         binding: StepBinding,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_blocks: torch.Tensor,
-        bias: torch.Tensor,
+        groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Logits [rows, vocab] float32 of one decode token per row; K/V written in place."""
+        """Logits [rows, vocab] float32 of one decode token per row; K/V written in place.
+        `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step."""
         rows = input_ids.shape[0]
         if not 0 < rows <= NATIVE_STEP_MAX_ROWS:
             raise ValueError(f"a native step runs 1-{NATIVE_STEP_MAX_ROWS} rows, got {rows}")
+        if len(groups) < binding.num_groups:
+            raise ValueError(f"the model reads {binding.num_groups} KV groups, got {len(groups)}")
         ids = input_ids.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
-        slots = slot_mapping.to(torch.int64).contiguous()
-        blocks = kv_blocks.to(torch.int64).contiguous()
-        bias = bias.reshape(rows, -1).to(torch.float32).contiguous()
+        kept = []  # the tensors the C structs point into, alive through the call
+        structs = []
+        for slot_mapping, kv_blocks, bias in groups:
+            slots = slot_mapping.to(torch.int64).contiguous()
+            blocks = kv_blocks.to(torch.int64).contiguous()
+            bias = bias.reshape(rows, -1).to(torch.float32).contiguous()
+            kept += [slots, blocks, bias]
+            structs.append(_StepGroup(slots.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+                                      bias.data_ptr()))  # fmt: skip
+        group_array = (_StepGroup * len(structs))(*structs)
         logits = torch.empty(rows, binding.vocab, dtype=torch.float32)
         profiling = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
             failed = self._function(
                 ctypes.byref(binding.model), rows, ids.data_ptr(), positions.data_ptr(),
-                slots.data_ptr(), blocks.data_ptr(), blocks.shape[1], bias.data_ptr(),
-                logits.data_ptr(), torch.get_num_threads(), self._timings,
+                group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
             )  # fmt: skip
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")

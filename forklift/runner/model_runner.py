@@ -494,11 +494,11 @@ class ModelRunner:
         if self._step_binding is None:
             self._step_binding = StepBinding(self.model, self.layer_caches)
         self.native_steps += 1
-        group = inputs.meta.groups[0]
-        return self.native_step(
-            self._step_binding, inputs.input_ids, inputs.positions, inputs.meta.slot_mapping,
-            group.kv_blocks, group.mask,
-        )  # fmt: skip
+        groups = [
+            (meta.slot_mapping, meta.groups[0].kv_blocks, meta.groups[0].mask)
+            for meta in inputs.meta.kv_groups or [inputs.meta]
+        ]
+        return self.native_step(self._step_binding, inputs.input_ids, inputs.positions, groups)
 
     def _copy_states(self, copies: torch.Tensor) -> None:
         source, target = copies[:, 0], copies[:, 1]

@@ -4,6 +4,11 @@
  * logits. Python prepares the step's index tensors once and calls this once, so no
  * interpreter or operator dispatch stands between the layers.
  *
+ * Gemma 3 runs the same loop with its differences switched on: norms scaling by 1 + w, the
+ * outputs of attention and MLP normed before their residual adds, a tanh-GELU gate, a scaled
+ * embedding, and per layer its own rotary table and KV group (a sliding-window layer reads
+ * its group's blocks, window-masked, and writes its own slots).
+ *
  * Every linear is a block-quantized weight (quant_matmul.h); norms, the embedding and the
  * KV cache are in the model's dtype (bf16 or fp32). The residual stream and every
  * activation stay in fp32 between operations. Each matmul and the attention fan out over
@@ -22,7 +27,20 @@ typedef struct {
     QuantWeight qkv, o, gate_up, down;
     void *key_cache;         /* [kv_heads, num_blocks, block_size, head_dim] */
     void *value_cache;
+    const void *attn_out_norm; /* [hidden] or NULL: norms o_proj's output (Gemma 3) */
+    const void *mlp_out_norm;  /* [hidden] or NULL: norms down's output (Gemma 3) */
+    const float *rope_cos;   /* [max_positions, rotary_dim], rotate-half: this layer's table */
+    const float *rope_sin;
+    int64_t group;           /* the KV group whose slots, blocks and mask this layer uses */
 } StepLayer;
+
+/* One KV group's step metadata (see forklift_decode_step). */
+typedef struct {
+    const int64_t *slots;
+    const int64_t *blocks;
+    int64_t table_width;
+    const float *bias;
+} StepGroup;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, rotary_dim;
@@ -31,10 +49,11 @@ typedef struct {
     int is_bf16;             /* norms, embedding and KV cache in bf16 (else fp32) */
     const void *embed;       /* [vocab, hidden] */
     const void *final_norm;  /* [hidden] */
-    const float *rope_cos;   /* [max_positions, rotary_dim], rotate-half convention */
-    const float *rope_sin;
     QuantWeight head;        /* [vocab, hidden] */
     const StepLayer *layers;
+    float norm_offset;       /* norms scale by norm_offset + w: 0, or 1 for Gemma */
+    float embed_scale;       /* the embedding times this, rounded to the dtype; 0: none */
+    int gelu;                /* the MLP gates with tanh-GELU (else SiLU) */
 } StepModel;
 
 static inline float load_value(const void *base, int64_t i, int is_bf16) {
@@ -48,13 +67,42 @@ static inline void store_value(void *base, int64_t i, float v, int is_bf16) {
         ((float *)base)[i] = v;
 }
 
-/* out = x / rms(x) * w over n values. */
+/* out = x / rms(x) * (offset + w) over n values. */
 static void rms_norm(const float *x, const void *weight, int64_t n, float eps, int is_bf16,
-                     float *out) {
+                     float offset, float *out) {
     float squares = 0.0f;
     for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
     const float inverse = 1.0f / sqrtf(squares / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * load_value(weight, i, is_bf16);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = x[i] * inverse * (offset + load_value(weight, i, is_bf16));
+}
+
+/* act = gelu_tanh(gate) * up over n values: gelu_tanh(g) = g * sigmoid(2 y) with
+ * y = sqrt(2 / pi) (g + 0.044715 g^3), i.e. 0.5 g (1 + tanh y); exp is taken of -|2y| only.
+ * `act` may be `gate`. */
+static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *act) {
+    const float c = 0.7978845608028654f, cubic = 0.044715f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        float16_vector g, u;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&u, up + i, sizeof u);
+        const float16_vector z = 2.0f * c * (g + cubic * g * g * g);
+        const int16_vector negative = z < 0.0f;
+        const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
+        const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)z | sign_bit));
+        const float16_vector one = e - e + 1.0f;
+        const float16_vector numerator =
+            (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
+        const float16_vector result = g * (numerator / (one + e)) * u;
+        memcpy(act + i, &result, sizeof result);
+    }
+    for (; i < n; i++) {
+        const float g = gate[i], z = 2.0f * c * (g + cubic * g * g * g);
+        const float e = exp_nonpositive(-fabsf(z));
+        const float sigmoid = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        act[i] = g * sigmoid * up[i];
+    }
 }
 
 /* act = silu(gate) * up over n values, with exp taken of -|g| only (no overflow); sixteen
@@ -126,8 +174,9 @@ static int64_t attention_pieces(const int64_t *blocks, int64_t rows, int64_t tab
 }
 
 static void attention(const StepModel *m, const StepLayer *layer, const float *q, int64_t rows,
-                      const int64_t *blocks, int64_t table_width, const float *bias,
-                      float *out, int num_threads, int *failed) {
+                      const StepGroup *group, float *out, int num_threads, int *failed) {
+    const int64_t *blocks = group->blocks, table_width = group->table_width;
+    const float *bias = group->bias;
     int64_t first[rows], length[rows];
     const int64_t pieces = attention_pieces(blocks, rows, table_width, m->kv_heads,
                                             num_threads, first, length);
@@ -147,6 +196,11 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
                                        out, row, count, kv_head, m->heads, m->kv_heads,
                                        m->num_blocks, m->block_size, 128, table_width,
                                        m->scale, 1, 0);
+        else if (m->head_dim == 256 && m->is_bf16)
+            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
+                                       out, row, count, kv_head, m->heads, m->kv_heads,
+                                       m->num_blocks, m->block_size, 256, table_width,
+                                       m->scale, 1, 0);
         else
             task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
                                        out, row, count, kv_head, m->heads, m->kv_heads,
@@ -165,13 +219,12 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
         if (timings != NULL) timings[slot] += omp_get_wtime() - started_;                 \
     } while (0)
 
-/* Logits [rows, vocab] float32 for one decode token per row. blocks [rows, table_width]
- * and bias [rows, table_width * block_size] as decode_attention.c reads them; slots: each
- * row's cache slot for its new K/V; timings: NULL, or three sums (see TIMED). Returns 0,
- * or 1 when scratch memory ran out. */
+/* Logits [rows, vocab] float32 for one decode token per row. Per KV group: blocks [rows,
+ * table_width] and bias [rows, table_width * block_size] as decode_attention.c reads them,
+ * and slots: each row's cache slot for its new K/V; timings: NULL, or three sums (see
+ * TIMED). Returns 0, or 1 when scratch memory ran out. */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
-                         const int64_t *positions, const int64_t *slots, const int64_t *blocks,
-                         int64_t table_width, const float *bias, float *logits,
+                         const int64_t *positions, const StepGroup *groups, float *logits,
                          int num_threads, double *timings) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
@@ -199,14 +252,27 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     const int is_bf16 = m->is_bf16;
     int failed = 0;
 
+    const float offset = m->norm_offset;
+    /* The scale as the model's dtype holds it, and each product rounded to that dtype too
+     * (the reference scales the embedding lookup in the dtype). */
+    const float embed_scale = is_bf16 ? bf16_to_float(float_to_bf16(m->embed_scale))
+                                      : m->embed_scale;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < hidden; i++)
-            residual[r * hidden + i] = load_value(m->embed, ids[r] * hidden + i, is_bf16);
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = load_value(m->embed, ids[r] * hidden + i, is_bf16);
+            if (embed_scale != 0.0f) {
+                v *= embed_scale;
+                if (is_bf16) v = bf16_to_float(float_to_bf16(v));
+            }
+            residual[r * hidden + i] = v;
+        }
 
     for (int64_t l = 0; l < m->num_layers; l++) {
         const StepLayer *layer = &m->layers[l];
+        const StepGroup *group = &groups[layer->group];
+        const int64_t *slots = group->slots;
         for (int64_t r = 0; r < rows; r++)
-            rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16,
+            rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
         TIMED(0, quant_matmul_rows(&layer->qkv, normed, rows, views, rest, qkv, num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
@@ -215,12 +281,12 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             float *row = qkv + r * qkv_size;
             if (layer->qkv_bias != NULL)
                 for (int64_t i = 0; i < qkv_size; i++) row[i] += load_value(layer->qkv_bias, i, is_bf16);
-            const float *cos = m->rope_cos + positions[r] * m->rotary_dim;
-            const float *sin = m->rope_sin + positions[r] * m->rotary_dim;
+            const float *cos = layer->rope_cos + positions[r] * m->rotary_dim;
+            const float *sin = layer->rope_sin + positions[r] * m->rotary_dim;
             for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
                 float *head = row + h * head_dim;
                 const void *norm = h < m->heads ? layer->q_norm : layer->k_norm;
-                if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, head);
+                if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, offset, head);
                 rotate(head, cos, sin, m->rotary_dim);
             }
             /* The new K and V into their cache slot, head by head. */
@@ -241,25 +307,36 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         }
         /* attended holds the queries; attention reads them and writes into qkv's room. */
         float *context = qkv;
-        TIMED(1, attention(m, layer, attended, rows, blocks, table_width, bias, context,
-                           num_threads, &failed));
+        TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
         TIMED(0, quant_matmul_rows(&layer->o, context, rows, views, rest, normed, num_threads));
+        for (int64_t r = 0; r < rows; r++) {
+            float *out = normed + r * hidden;
+            if (layer->o_bias != NULL)
+                for (int64_t i = 0; i < hidden; i++) out[i] += load_value(layer->o_bias, i, is_bf16);
+            if (layer->attn_out_norm != NULL)
+                rms_norm(out, layer->attn_out_norm, hidden, m->eps, is_bf16, offset, out);
+            for (int64_t i = 0; i < hidden; i++) residual[r * hidden + i] += out[i];
+        }
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < hidden; i++)
-                residual[r * hidden + i] += normed[r * hidden + i] +
-                    (layer->o_bias != NULL ? load_value(layer->o_bias, i, is_bf16) : 0.0f);
-        for (int64_t r = 0; r < rows; r++)
-            rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16,
+            rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
         TIMED(0, quant_matmul_rows(&layer->gate_up, normed, rows, views, rest, gate_up, num_threads));
-        for (int64_t r = 0; r < rows; r++)
-            silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter,
-                     activated + r * inter);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *g = gate_up + r * 2 * inter;
+            if (m->gelu)
+                gelu_tanh_mul(g, g + inter, inter, activated + r * inter);
+            else
+                silu_mul(g, g + inter, inter, activated + r * inter);
+        }
         TIMED(0, quant_matmul_rows(&layer->down, activated, rows, views, rest, normed, num_threads));
+        if (layer->mlp_out_norm != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                rms_norm(normed + r * hidden, layer->mlp_out_norm, hidden, m->eps, is_bf16,
+                         offset, normed + r * hidden);
         for (int64_t i = 0; i < rows * hidden; i++) residual[i] += normed[i];
     }
     for (int64_t r = 0; r < rows; r++)
-        rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16,
+        rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16, offset,
                  normed + r * hidden);
     TIMED(0, quant_matmul_rows(&m->head, normed, rows, views, rest, logits, num_threads));
     if (timings != NULL) {
