@@ -23,6 +23,7 @@ from forklift.model.layers.quantized import (
     int4_groups_from_dense,
 )
 from forklift.native.build import load_native_library
+from forklift.native.huge_pages import on_huge_pages
 
 PROFILER_NAME = "forklift::native_quant_matmul"
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
@@ -128,7 +129,7 @@ class BlockInt4:
         # 4.9e-4 relative (2^-11, none subnormal), which moves a weight by at most 8.1e-4 of
         # its tensor's largest |w| (7.2e-4 relative RMS at worst).
         return cls(
-            packed.contiguous(),
+            on_huge_pages(packed.contiguous()),
             interleave_rows(groups.scales.to(torch.float16), 1).flatten(2),
             interleave_rows(mins.to(torch.float16), 1).flatten(2),
             (n, k),
@@ -180,7 +181,7 @@ class BlockInt8:
         """The kernel's layout of unpacked blocks. Their scales become fp16: lossless for
         every Int8Blocks gguf_blocks decodes (a file's fp16 d, or rounded up to fp16)."""
         return cls(
-            interleave_rows(blocks.codes, 4),
+            on_huge_pages(interleave_rows(blocks.codes, 4)),
             interleave_rows(blocks.scales.to(torch.float16), 1).flatten(2),
             blocks.shape,
             kernel,
