@@ -148,6 +148,11 @@ def test_the_gemma3_270m_file_serves_at_its_precision_and_matches_transformers(
     assert "int4 from gguf blocks" in caplog.text  # Q4_K
     assert "int8 from gguf blocks" in caplog.text  # Q5_0 and Q8_0
     assert "KV cache:" in caplog.text
+    # The tied head reads the file's Q8_0 embedding blocks as they are.
+    report = llm.llm_engine.runner.quantization_report
+    assert ("lm_head (tied)", "int8", "gguf blocks") in [
+        (t.name, t.form, t.source) for t in report.tensors
+    ]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     outputs = llm.generate(RAW_PROMPTS, params, use_tqdm=False)
     for output in outputs:

@@ -157,12 +157,28 @@ def quantize_model(
         logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
         report.dense_bytes += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None and (kernel is not None or not _is_bf16(model.packed_tied_head)):
-        model.quantized_head = _int8(model.embed_tokens.weight, kernel, precise=True)
+        blocks = _tied_head_blocks(model, plan, kernel)
+        if blocks is not None and kernel is not None:
+            model.quantized_head = BlockInt8.from_blocks(blocks, kernel, precise=True)
+        else:
+            model.quantized_head = _int8(model.embed_tokens.weight, kernel, precise=True)
+        source = "gguf blocks" if blocks is not None and blocks.exact else "round-to-nearest"
         report.tensors.append(
-            QuantizedTensor("lm_head (tied)", "int8", "round-to-nearest",
-                            model.quantized_head.nbytes)
-        )  # fmt: skip
+            QuantizedTensor("lm_head (tied)", "int8", source, model.quantized_head.nbytes)
+        )
     return report
+
+
+def _tied_head_blocks(
+    model: LlamaForCausalLM, plan: QuantizationPlan, kernel: QuantMatmulKernel | None
+) -> Int8Blocks | None:
+    """A tied head's int8 blocks read from the file's quantized embedding (exact for Q8_0,
+    Gemma's): the dense embedding is in the model's dtype, and bf16 cannot hold every
+    d * q of a Q8_0 block, so rounding it again would not give the file's codes back."""
+    name = "model.embed_tokens.weight"
+    if kernel is None or plan.int8_blocks is None or model.shard is not None:
+        return None  # (a tensor-parallel rank holds a vocabulary slice of it)
+    return next((blocks for _, blocks in plan.int8_blocks({name})), None)
 
 
 def requantize(
