@@ -6,14 +6,13 @@ from __future__ import annotations
 import logging
 import random
 
-import gguf
 import pytest
 import torch
 import transformers
+from gguf_factory import fast_gguf_reader
 from tiny_models import VOCAB, TinyModel, _save, hf_greedy
 
 from forklift import LLM, SamplingParams
-from forklift.checkpoint.gguf_file import _PlainArrayReader
 from forklift.core.block_pool import NULL_BLOCK_ID
 
 WINDOW = 12
@@ -61,7 +60,8 @@ def assert_matches_hf(tiny: TinyModel, batch: list[list[int]], outputs) -> None:
 
 def make_llm(tiny: TinyModel, **overrides) -> LLM:
     kwargs = dict(dtype="float32", max_model_len=128, block_size=BLOCK,
-                  max_num_batched_tokens=128, enable_prefix_caching=False)  # fmt: skip
+                  max_num_batched_tokens=128, enable_prefix_caching=False,
+                  num_gpu_blocks_override=400)  # fmt: skip
     kwargs.update(overrides)
     return LLM(model=str(tiny.path), **kwargs)
 
@@ -121,10 +121,8 @@ def gemma_file():
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_file):
-    """transformers' fp32 model from the same file. It parses the file twice; forklift's
-    plain-array reader (same values, no np.memmap slicing) does that in a third of the time."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", _PlainArrayReader)
+    """transformers' fp32 model from the same file."""
+    with fast_gguf_reader():
         model = transformers.AutoModelForCausalLM.from_pretrained(
             gemma_file.parent, gguf_file=gemma_file.name, dtype=torch.float32
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 import gguf
 import pytest
+from gguf_factory import fast_gguf_reader
 
 from forklift.checkpoint.source import ModelSource
 from forklift.tokenizer import Tokenizer, load_tokenizer
@@ -69,7 +70,8 @@ def tok(source: ModelSource) -> Tokenizer:
 def oracle(source: ModelSource) -> Any:
     transformers = pytest.importorskip("transformers")
     path = source.path
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with fast_gguf_reader():
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _tokenizer_json(text: str) -> dict[str, Any]:
