@@ -52,6 +52,22 @@ def test_api_key_is_required_on_v1(tiny_engine):
         assert httpx.get(url + "/health").status_code == 200
 
 
+def test_chat_without_a_chat_template_is_a_400_and_completions_still_serve(tiny_engine):
+    # The tiny model, like a base model's GGUF file (Gemma 3 270M's), has no chat template.
+    app = build_app(tiny_engine, "tiny")
+    with running_server(app) as url:
+        for stream in (False, True):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                    "max_tokens": 2, "stream": stream}  # fmt: skip
+            reply = httpx.post(url + "/v1/chat/completions", json=body)
+            assert reply.status_code == 400
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "has no chat template" in error["message"]
+        body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+
+
 def test_full_waiting_queue_answers_503_with_retry_after(tiny_engine):
     app = build_app(tiny_engine, "tiny", max_waiting_requests=2)
     async_engine = app.state.ctx.async_engine

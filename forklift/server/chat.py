@@ -52,6 +52,13 @@ def chat_prompt_ids(
             f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
             "chat_template_kwargs",
         )
+    if tokenizer.chat_template is None:
+        raise APIError(
+            400,
+            "this model has no chat template (a base model's file, say): use "
+            "/v1/completions with a plain prompt",
+            "messages",
+        )
     conversation, template_tools = prepare_conversation(
         [m.model_dump(exclude_none=True) for m in messages],
         tools,
