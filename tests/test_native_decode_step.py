@@ -1,8 +1,9 @@
 """The native decode step (forklift/native/csrc/decode_step.c): one call runs a whole
-decode step of a Llama-family model. In fp32 it equals the PyTorch layers running the same
-block-quantized matmuls (the reference: same weights, same activation quantization), token
-for token, on every architecture of the family; it falls back to that path for steps it
-does not cover, and follows the weights through updates."""
+decode step of a Llama-family or Gemma 3 model. In fp32 it equals the PyTorch layers
+running the same block-quantized matmuls (the reference: same weights, same activation
+quantization), token for token, on every architecture it runs (Gemma 3's sliding-window
+layers in their own KV groups); it falls back to that path for steps it does not cover,
+and follows the weights through updates."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     native_build.find_compiler() is None, reason="no C compiler on this machine"
 )
 
-ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 def _int4_engine(path, **kwargs) -> LLM:

@@ -77,56 +77,51 @@ static void rms_norm(const float *x, const void *weight, int64_t n, float eps, i
         out[i] = x[i] * inverse * (offset + load_value(weight, i, is_bf16));
 }
 
-/* act = gelu_tanh(gate) * up over n values: gelu_tanh(g) = g * sigmoid(2 y) with
- * y = sqrt(2 / pi) (g + 0.044715 g^3), i.e. 0.5 g (1 + tanh y); exp is taken of -|2y| only.
- * `act` may be `gate`. */
-static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *act) {
-    const float c = 0.7978845608028654f, cubic = 0.044715f;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        float16_vector g, u;
-        memcpy(&g, gate + i, sizeof g);
-        memcpy(&u, up + i, sizeof u);
-        const float16_vector z = 2.0f * c * (g + cubic * g * g * g);
-        const int16_vector negative = z < 0.0f;
-        const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
-        const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)z | sign_bit));
-        const float16_vector one = e - e + 1.0f;
-        const float16_vector numerator =
-            (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
-        const float16_vector result = g * (numerator / (one + e)) * u;
-        memcpy(act + i, &result, sizeof result);
-    }
-    for (; i < n; i++) {
-        const float g = gate[i], z = 2.0f * c * (g + cubic * g * g * g);
-        const float e = exp_nonpositive(-fabsf(z));
-        const float sigmoid = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        act[i] = g * sigmoid * up[i];
-    }
+/* sigmoid(z), sixteen lanes, with exp taken of -|z| only (no overflow):
+ * 1 / (1 + e) for z >= 0, e / (1 + e) below, e = exp(-|z|). */
+static inline float16_vector sigmoid16(float16_vector z) {
+    const int16_vector negative = z < 0.0f;
+    const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
+    const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)z | sign_bit));
+    const float16_vector one = e - e + 1.0f;
+    const float16_vector numerator =
+        (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
+    return numerator / (one + e);
 }
 
-/* act = silu(gate) * up over n values, with exp taken of -|g| only (no overflow); sixteen
- * lanes at a time. `act` may be `gate`. */
+static inline float sigmoid1(float z) {
+    const float e = exp_nonpositive(-fabsf(z));
+    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+/* act = silu(gate) * up = gate * sigmoid(gate) * up over n values. `act` may be `gate`. */
 static void silu_mul(const float *gate, const float *up, int64_t n, float *act) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         float16_vector g, u;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&u, up + i, sizeof u);
-        const int16_vector negative = g < 0.0f;
-        const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
-        const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)g | sign_bit));
-        const float16_vector one = e - e + 1.0f;
-        /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below */
-        const float16_vector numerator =
-            (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
-        const float16_vector result = g * (numerator / (one + e)) * u;
+        const float16_vector result = g * sigmoid16(g) * u;
+        memcpy(act + i, &result, sizeof result);
+    }
+    for (; i < n; i++) act[i] = gate[i] * sigmoid1(gate[i]) * up[i];
+}
+
+/* act = gelu_tanh(gate) * up over n values: gelu_tanh(g) = 0.5 g (1 + tanh y) with
+ * y = sqrt(2 / pi) (g + 0.044715 g^3), which is g * sigmoid(2 y). `act` may be `gate`. */
+static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *act) {
+    const float twice_c = 2.0f * 0.7978845608028654f, cubic = 0.044715f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        float16_vector g, u;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&u, up + i, sizeof u);
+        const float16_vector result = g * sigmoid16(twice_c * (g + cubic * g * g * g)) * u;
         memcpy(act + i, &result, sizeof result);
     }
     for (; i < n; i++) {
-        const float g = gate[i], e = exp_nonpositive(-fabsf(g));
-        const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        act[i] = g * sigmoid * up[i];
+        const float g = gate[i];
+        act[i] = g * sigmoid1(twice_c * (g + cubic * g * g * g)) * up[i];
     }
 }
 
