@@ -163,3 +163,13 @@ def test_the_gemma3_270m_file_serves_at_its_precision_and_matches_transformers(
             if a != b:
                 assert b in got.logprobs[step] and a in want_top[step], (output.prompt, step)
                 break
+
+
+def test_gguf_gemma3_logit_scale_follows_llama_cpps_rule():
+    # GGUF files do not carry query_pre_attn_scalar: head_dim, but hidden / heads for 27B.
+    from forklift.model.gguf_loader import _gemma3_fields
+
+    assert _gemma3_fields(18, 640, 4, 256)["attention_multiplier"] == 256**-0.5
+    assert _gemma3_fields(62, 5376, 32, 128)["attention_multiplier"] == 168**-0.5
+    layers = _gemma3_fields(18, 640, 4, 256)["layer_types"]
+    assert [i for i, kind in enumerate(layers) if kind == "full_attention"] == [5, 11, 17]

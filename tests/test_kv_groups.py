@@ -133,10 +133,13 @@ def test_a_hit_shrinks_to_where_the_window_blocks_are_still_cached():
 def test_share_prefix_refuses_when_the_window_blocks_are_gone():
     kv = KVCacheManager(num_blocks=64, block_size=BLOCK, windows=(None, WINDOW))
     allocate(kv, "leader", 0, 17)
-    assert kv.share_prefix("leader", "early", 4)
+    assert kv.can_share_prefix("leader", 4)
+    kv.share_prefix("leader", "early", 4)
     allocate(kv, "leader", 17, 1)
     allocate(kv, "leader", 18, 8)  # its window moves past blocks 0..3
-    assert not kv.share_prefix("leader", "late", 2)
+    assert not kv.can_share_prefix("leader", 2)
+    with pytest.raises(ValueError, match="no longer holds"):
+        kv.share_prefix("leader", "late", 2)
     assert kv.group_tables("late") == [[], []]
 
 

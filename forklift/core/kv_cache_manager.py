@@ -264,26 +264,34 @@ class KVCacheManager:
         if behind:
             self.pool.free(behind)
 
-    def share_prefix(self, source_id: str, target_id: str, num_blocks: int) -> bool:
-        """Give `target` (without blocks yet) the first `num_blocks` blocks of `source`;
-        False (nothing shared) where a windowed group of `source` already returned blocks
-        the target's window reaches."""
-        if self.block_table(target_id):
-            raise ValueError(f"request {target_id!r} already has blocks")
+    def can_share_prefix(self, source_id: str, num_blocks: int) -> bool:
+        """`source` still holds its first `num_blocks` blocks as a sequence resuming after
+        them reads them: False where a windowed group already returned one its window
+        reaches."""
         sources = self._tables.get(source_id) or [[]]
         if len(sources[0]) < num_blocks:
-            raise ValueError(f"request {source_id!r} holds fewer than {num_blocks} blocks")
-        shared = [table[:num_blocks] for table in sources]
-        for table, window in zip(shared, self.windows, strict=True):
+            return False
+        for table, window in zip(sources, self.windows, strict=False):
             first = window_start_block(num_blocks * self.block_size, window, self.block_size)
-            if NULL_BLOCK_ID in table[first:]:
+            if NULL_BLOCK_ID in table[first:num_blocks]:
                 return False
+        return True
+
+    def share_prefix(self, source_id: str, target_id: str, num_blocks: int) -> None:
+        """Give `target` (without blocks yet) the first `num_blocks` blocks of `source`
+        (which `can_share_prefix` must allow)."""
+        if self.block_table(target_id):
+            raise ValueError(f"request {target_id!r} already has blocks")
+        if len(self.block_table(source_id)) < num_blocks:
+            raise ValueError(f"request {source_id!r} holds fewer than {num_blocks} blocks")
+        if not self.can_share_prefix(source_id, num_blocks):
+            raise ValueError(f"request {source_id!r} no longer holds {num_blocks} blocks to share")
+        shared = [table[:num_blocks] for table in self._tables[source_id]]
         for table in shared:
             for block_id in table:
                 if block_id != NULL_BLOCK_ID:
                     self.pool.share(block_id)
         self._tables[target_id] = shared
-        return True
 
     def release_tail(self, request_id: str, num_tokens: int) -> None:
         """Return the blocks past the first `num_tokens` tokens' to the pool (they held only

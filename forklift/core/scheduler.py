@@ -214,7 +214,8 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         """Reserve blocks for a waiting request's next chunk, starting from the longest cached
-        prefix when it has nothing computed; None when blocks ran out (nothing changes)."""
+        prefix when it has nothing computed; None when blocks ran out (nothing changes but,
+        with windowed KV groups, blocks its window left behind going back to the pool)."""
         kv = self.kv_manager
         if self._waits_for_a_slot(request):
             return None
@@ -335,10 +336,11 @@ class Scheduler:
             )
             if follower.is_finished or not untouched or num_shared == 0:
                 continue
+            if not self.kv_manager.can_share_prefix(leader.request_id, num_shared):
+                continue  # the leader's window moved past blocks it needs: it computes alone
             if self.state_pool is not None and not self._fork_state(leader, follower):
                 continue
-            if not self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared):
-                continue  # the leader's window moved past blocks it needs: it computes alone
+            self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared)
             follower.num_computed_tokens = num_shared * self.kv_manager.block_size
         leader.followers = []
 

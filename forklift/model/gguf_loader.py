@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterator
+from types import MappingProxyType
 from typing import Any
 
 import gguf
@@ -46,18 +47,21 @@ _LAYER_TENSORS = {
 
 # Gemma 3 names its four norms apart (ffn_norm is the pre-MLP norm, as in Llama, but HF
 # calls that one pre_feedforward_layernorm there).
-_GEMMA3_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+_GEMMA3_LAYER_TENSORS = MappingProxyType(
+    {
+        **_LAYER_TENSORS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+)
 # Gemma norms scale by 1 + w; llama.cpp's converter stores 1 + w, HF stores w.
 _ONE_PLUS_NORM_ARCHITECTURES = ("gemma3",)
 # llama.cpp's constants for Gemma 3 that its files do not carry: every sixth layer is global,
 # the local layers' rotary base is 10,000.
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+_GEMMA3_27B_LAYERS = 62
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
@@ -126,7 +130,7 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     sliding_window = _field(reader, f"{arch}.attention.sliding_window")
     num_layers = int(_required(reader, f"{arch}.block_count"))
     head_dim = int(head_dim) if head_dim else hidden // num_heads
-    gemma = _gemma3_fields(num_layers, hidden, head_dim) if arch == "gemma3" else {}
+    gemma = _gemma3_fields(num_layers, hidden, num_heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=_vocab_size(reader, arch),
@@ -150,17 +154,19 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def _gemma3_fields(num_layers: int, hidden: int, head_dim: int) -> dict[str, Any]:
-    """What llama.cpp assumes for every Gemma 3 file. The logit scale is 1 / sqrt(head_dim),
-    which is query_pre_attn_scalar ** -0.5 for every released size but 27B (whose GGUF
-    llama.cpp scales by hidden / heads instead; forklift follows the file's head_dim)."""
+def _gemma3_fields(num_layers: int, hidden: int, num_heads: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp assumes for every Gemma 3 file. The logit scale is
+    query_pre_attn_scalar ** -0.5, which the file does not carry either: head_dim for every
+    released size but 27B (62 layers), whose scalar is hidden / heads (llama.cpp keys it the
+    same way)."""
+    scalar = hidden / num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim
     return {
         "layer_types": tuple(
             SLIDING_ATTENTION if (i + 1) % _GEMMA3_SLIDING_PATTERN else FULL_ATTENTION
             for i in range(num_layers)
         ),
         "local_rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
-        "attention_multiplier": head_dim**-0.5,
+        "attention_multiplier": scalar**-0.5,
         "embedding_multiplier": hidden**0.5,
         "mlp_activation": "gelu_tanh",
         "sandwich_norms": True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma3")
@@ -28,7 +29,9 @@ _HF_ARCHITECTURES = {
 }
 _HF_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "gemma3_text": "gemma3"}
 # HF `hidden_activation` / `hidden_act` -> forklift's name of the MLP's gate activation.
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_ACTIVATIONS = MappingProxyType(
+    {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+)
 
 
 @dataclass(frozen=True)

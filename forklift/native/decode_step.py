@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -143,7 +144,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 # The native norm scales by offset + w: RMSNorm's w, Gemma's (zero-centred) 1 + w.
-_NORM_OFFSETS = {RMSNorm: 0.0, ZeroCentredRMSNorm: 1.0}
+_NORM_OFFSETS = MappingProxyType({RMSNorm: 0.0, ZeroCentredRMSNorm: 1.0})
 
 
 def _layer_norms(layer: nn.Module) -> list[nn.Module]:

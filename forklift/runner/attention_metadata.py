@@ -20,7 +20,9 @@ def build_attention_metadata(
     min_kv_width: int = 0,
 ) -> tuple[AttentionMetadata, np.ndarray]:
     """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and attends to
-    positions [0, starts[s] + query_lens[s]); its tokens are contiguous in the flat batch.
+    positions [0, starts[s] + query_lens[s]), or with a `sliding_window` to the last that
+    many positions of each of its tokens (its keys then start at the block holding its first
+    token's oldest one); its tokens are contiguous in the flat batch.
     Key tensors are at least `min_kv_width` wide (captured steps need a fixed shape).
 
     Returns the metadata and each token's position (the rotary embedding needs them too)."""

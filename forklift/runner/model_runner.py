@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -622,10 +623,9 @@ def _profiled_layers(layers: nn.ModuleList) -> list[int]:
 
 
 # Architectures whose model class is not the plain Llama one.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "qwen3_5": Qwen3_5ForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
-}
+_MODEL_CLASSES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
+    {"qwen3_5": Qwen3_5ForCausalLM, "gemma3": Gemma3ForCausalLM}
+)
 
 
 def build_model(

@@ -96,7 +96,9 @@ def read_gguf_vocab(reader: gguf.GGUFReader) -> tuple[tokenizers.Tokenizer, Spec
             "tokenizer.ggml.model = 'gpt2', and SentencePiece, 'llama')"
         )
     special = _gguf_special_tokens(reader, tokens, add_bos_default)
-    _register_added_tokens(backend, tokens, token_types, special)
+    # SentencePiece builders make the named tokens special even where the file types them
+    # normal (transformers' Gemma one does); byte-level files keep their types as they are.
+    _register_added_tokens(backend, tokens, token_types, special, model_type == "llama")
     if special.add_bos_token and special.bos_token is not None:
         # Only matters to other consumers of an exported tokenizer.json; Tokenizer.encode()
         # adds the BOS itself.
@@ -258,9 +260,11 @@ def _register_added_tokens(
     tokens: list[str],
     token_types: list[int],
     special: SpecialTokens,
+    named_special: bool,
 ) -> None:
-    """Control tokens and the named special ones become special (never split, skippable);
-    user-defined ones plain added tokens, as transformers adds them."""
+    """Control tokens (and with `named_special` the file's bos / eos / unk / pad) become
+    special (never split, skippable); user-defined ones plain added tokens, as transformers
+    adds them."""
     model = backend.model
     control, user = [], []
     for token, token_type in zip(tokens, token_types, strict=False):
@@ -272,6 +276,7 @@ def _register_added_tokens(
             user.append(AddedToken(token, special=False, normalized=False))
     added = {token.content for token in (*control, *user)}
     named = (special.bos_token, special.eos_token, special.unk_token, special.pad_token)
+    named = named if named_special else ()
     for token in dict.fromkeys(t for t in named if t is not None and t not in added):
         control.append(AddedToken(token, special=True, normalized=False))
     backend.add_special_tokens(control)

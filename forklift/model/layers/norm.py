@@ -22,7 +22,8 @@ class RMSNorm(torch.nn.Module):
 
 
 class ZeroCentredRMSNorm(torch.nn.Module):
-    """Qwen3.5's norm: the weight is stored as w - 1 and the scaling stays in float32."""
+    """Qwen3.5's and Gemma's norm: the weight is stored as w - 1 and the scaling stays in
+    float32."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
