@@ -88,7 +88,9 @@ def test_gemma_known_facts(tok: Tokenizer) -> None:
     assert tok.vocab_size == 262144
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert tok.add_bos_token is True
-    assert tok.eos_token_ids == frozenset({1})
+    # The file names no end-of-turn id: <end_of_turn> (106) stops by name, as in llama.cpp
+    # and HF's Gemma generation config.
+    assert tok.eos_token_ids == frozenset({1, 106})
     assert tok.chat_template is None
     assert tok.encode("Hello world") == [2, 9259, 1902]
     assert tok.encode("Hello world", add_special_tokens=False) == [9259, 1902]

@@ -30,6 +30,7 @@ _SPM_SPACE = "\u2581"
 # file order of the tokens, not their scores, ranks the merges, and the tokens made of runs of
 # spaces are stored with real spaces although the model spells them with `_SPM_SPACE`.
 _GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+_GEMMA_END_OF_TURN = "<end_of_turn>"
 
 # Pre-tokenizer regexes, written exactly as llama.cpp applies them for each
 # `tokenizer.ggml.pre` value. llama.cpp runs the expressions one after another, each splitting
@@ -125,12 +126,16 @@ def _gguf_special_tokens(
             return None
         return tokens[int(token_id)]
 
-    # llama.cpp also ends generation on the end-of-turn / end-of-message tokens.
-    extra_eos = tuple(
+    # llama.cpp also ends generation on the end-of-turn / end-of-message tokens; Gemma files
+    # often name no end-of-turn id, and llama.cpp (like HF's Gemma generation configs) then
+    # takes `<end_of_turn>` by name.
+    extra_eos = [
         int(token_id)
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if (token_id := _gguf_value(reader, key)) is not None
-    )
+    ]
+    if not extra_eos and _gguf_value(reader, "general.architecture") in _GEMMA_ARCHITECTURES:
+        extra_eos += [i for i, token in enumerate(tokens) if token == _GEMMA_END_OF_TURN][:1]
     return SpecialTokens(
         bos_token=token_at("tokenizer.ggml.bos_token_id"),
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
@@ -138,7 +143,7 @@ def _gguf_special_tokens(
         pad_token=token_at("tokenizer.ggml.padding_token_id"),
         add_bos_token=bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
         chat_template=_gguf_value(reader, "tokenizer.chat_template"),
-        extra_eos_token_ids=extra_eos,
+        extra_eos_token_ids=tuple(extra_eos),
     )
 
 
