@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from forklift.core.kv_cache_manager import blocks_for_tokens, window_blocks
+from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 
@@ -27,30 +27,31 @@ class KVShape:
 @dataclass(frozen=True)
 class WindowedGroups:
     """A model whose sliding-window layers have KV groups of their own (model/kv_layout.py):
-    `full_groups` and `windowed_groups` groups of `layers_per_group` layers each."""
+    one window per group (None: a full-attention group) of `layers_per_group` layers each."""
 
     layers_per_group: int
-    full_groups: int
-    windowed_groups: int
-    window: int
+    windows: tuple[int | None, ...]
 
     def blocks_per_sequence(self, num_tokens: int, block_size: int, chunk: int) -> int:
-        full = blocks_for_tokens(num_tokens, block_size)
-        windowed = min(full, window_blocks(self.window, chunk, block_size))
-        return self.full_groups * full + self.windowed_groups * windowed
+        return blocks_per_sequence(num_tokens, self.windows, block_size, chunk)
+
+    def block_bytes(self, shape: KVShape, dtype: str, block_size: int) -> int:
+        element = dtype_bytes(dtype)
+        per_token = 2 * self.layers_per_group * shape.num_kv_heads * shape.head_dim * element
+        return per_token * block_size
 
     def lines(self, shape: KVShape, num_tokens: int, dtype: str, block_size: int,
               chunk: int) -> list[str]:  # fmt: skip
-        element = dtype_bytes(dtype)
-        block = 2 * self.layers_per_group * shape.num_kv_heads * shape.head_dim * element
-        block *= block_size
+        block = self.block_bytes(shape, dtype, block_size)
         full = kv_cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_tokens,
-                              element)  # fmt: skip
+                              dtype_bytes(dtype))  # fmt: skip
+        window = next(w for w in self.windows if w is not None)
+        full_groups = self.windows.count(None)
         lines = [
-            f"sliding-window layers keep their last {self.window} positions: KV groups of "
-            f"{self.layers_per_group} layers ({self.full_groups} full, {self.windowed_groups} "
-            f"windowed), blocks of {block_size} tokens x {self.layers_per_group} layers = "
-            f"{block:,} bytes"
+            f"sliding-window layers keep their last {window} positions: KV groups of "
+            f"{self.layers_per_group} layers ({full_groups} full, "
+            f"{len(self.windows) - full_groups} windowed), blocks of {block_size} tokens x "
+            f"{self.layers_per_group} layers = {block:,} bytes"
         ]
         for label, step in (("decoding", 1), (f"prefilling {chunk}-token chunks", chunk)):
             blocks = self.blocks_per_sequence(num_tokens, block_size, step)
@@ -238,8 +239,7 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
             print(line)
         if windowed is not None:
             held = windowed.blocks_per_sequence(request_len, args.block_size, 1)
-            per_block = per_token * args.block_size * windowed.layers_per_group
-            per_block //= shape.num_layers
+            per_block = windowed.block_bytes(shape, args.dtype, args.block_size)
             print(
                 f"  with the windowed groups: {budget // (held * per_block):,} decoding "
                 f"requests at once ({held:,} blocks of {per_block:,} bytes each)"
@@ -301,9 +301,7 @@ def _shape_from_args(
     windowed = None
     windows = layout.windows
     if args.layers is None and None in windows and any(w is not None for w in windows):
-        window = next(w for w in windows if w is not None)
-        full = windows.count(None)
-        windowed = WindowedGroups(layout.layers_per_block, full, len(windows) - full, window)
+        windowed = WindowedGroups(layout.layers_per_block, windows)
     return shape, state, windowed, f"model: {source.path.name} ({config.architecture})"
 
 

@@ -43,6 +43,18 @@ def window_blocks(window: int, max_chunk: int, block_size: int) -> int:
     return blocks_for_tokens(window - 1 + max_chunk, block_size) + 1
 
 
+def blocks_per_sequence(
+    num_tokens: int, windows: Sequence[int | None], block_size: int, chunk: int
+) -> int:
+    """Blocks one sequence of `num_tokens` tokens holds at most, over KV groups with these
+    windows, while steps compute `chunk` of its tokens (1 for a decoding sequence)."""
+    full = blocks_for_tokens(num_tokens, block_size)
+    return sum(
+        full if window is None else min(full, window_blocks(window, chunk, block_size))
+        for window in windows
+    )
+
+
 class KVCacheManager:
     """Maps each request to the physical blocks that hold its K/V, growing on demand.
 
@@ -120,10 +132,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return empty
         size = self.block_size
-        keys = self._chain(token_ids, extra_key)
-        hits = [
+        keys, first_hits = self._chain(token_ids, extra_key)
+        hits = [first_hits] + [
             [self.pool.lookup(_group_key(key, group)) for key in keys]
-            for group in range(self.num_groups)
+            for group in range(1, self.num_groups)
         ]
         count = len(keys)
         for group, window in enumerate(self.windows):
@@ -141,19 +153,26 @@ class KVCacheManager:
             tables.append([NULL_BLOCK_ID] * first + [b for b in blocks if b is not None])
         return tables
 
-    def _chain(self, token_ids: Sequence[int], extra_key: bytes) -> list[BlockKey]:
-        """Keys of the full blocks before the last token; with one group, only as far as the
-        cache holds them (the rest could never be hit)."""
+    def _chain(
+        self, token_ids: Sequence[int], extra_key: bytes
+    ) -> tuple[list[BlockKey], list[int | None]]:
+        """Keys of the full blocks before the last token and the first group's hits for them.
+        Where the first group reads the whole context, the chain stops at its first miss: no
+        prefix can reach past it."""
         size = self.block_size
+        stop_at_miss = self.windows[0] is None
         parent = _ROOT_DIGEST
-        keys = []
+        keys: list[BlockKey] = []
+        hits: list[int | None] = []
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             key = block_key(parent, token_ids[start : start + size], extra_key)
-            if self.num_groups == 1 and self.pool.lookup(key) is None:
+            block_id = self.pool.lookup(key)
+            if block_id is None and stop_at_miss:
                 break
             keys.append(key)
+            hits.append(block_id)
             parent = key.digest
-        return keys
+        return keys, hits
 
     def _window_hits(self, hits: list[list[int | None]], count: int) -> bool:
         """Every windowed group holds the blocks its window reaches from `count` blocks."""

@@ -30,7 +30,6 @@ from forklift.model.llama import (
     rms_norm,
 )
 from forklift.model.model_config import SLIDING_ATTENTION, ModelConfig
-from forklift.model.tensor_parallel import TensorParallelShard
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -82,14 +81,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """The Llama model's logits and weight handling around Gemma 3 layers, with a second
     rotary table for the sliding-window layers."""
 
-    def __init__(
-        self,
-        full_config: ModelConfig,
-        max_positions: int,
-        shard: TensorParallelShard | None = None,
-    ) -> None:
-        super().__init__(full_config, max_positions, shard)
-        self.local_rotary = local_rotary(full_config, max_positions)
+    def make_rotary(self, max_positions: int) -> None:
+        super().make_rotary(max_positions)
+        self.local_rotary = local_rotary(self.full_config, max_positions)
 
     @staticmethod
     def build_layer(config: ModelConfig, index: int) -> nn.Module:

@@ -37,7 +37,9 @@ class KVLayout:
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        return tuple(group.window for group in self.groups)
+        """Each group's window; a model without attention layers has one empty group (its
+        requests' block tables still need a target)."""
+        return tuple(group.window for group in self.groups) or (None,)
 
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of an attention layer."""

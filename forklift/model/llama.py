@@ -181,9 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
         self.norm = rms_norm(config, config.hidden_size)
-        self.rotary = RotaryEmbedding(
-            config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
-        )
+        self.make_rotary(max_positions)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -193,6 +191,14 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def build_layer(config: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(config)
+
+    def make_rotary(self, max_positions: int) -> None:
+        """(Re)build the float32 rotary tables, on the current default device (a model built
+        on the meta device holds no values in them)."""
+        config = self.full_config
+        self.rotary = RotaryEmbedding(
+            config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
 
     def forward(
         self,

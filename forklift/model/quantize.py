@@ -158,11 +158,9 @@ def quantize_model(
         report.dense_bytes += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None and (kernel is not None or not _is_bf16(model.packed_tied_head)):
         blocks = _tied_head_blocks(model, plan, kernel)
-        if blocks is not None and kernel is not None:
-            model.quantized_head = BlockInt8.from_blocks(blocks, kernel, precise=True)
-        else:
-            model.quantized_head = _int8(model.embed_tokens.weight, kernel, precise=True)
-        source = "gguf blocks" if blocks is not None and blocks.exact else "round-to-nearest"
+        model.quantized_head, source = _quantize_weight(
+            model.embed_tokens.weight, "int8", blocks, kernel, precise=True
+        )
         report.tensors.append(
             QuantizedTensor("lm_head (tied)", "int8", source, model.quantized_head.nbytes)
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from forklift.core.kv_cache_manager import blocks_for_tokens, window_blocks
+from forklift.core.kv_cache_manager import blocks_per_sequence
 from forklift.model.kv_layout import kv_layout
 from forklift.model.model_config import ModelConfig
 
@@ -121,11 +121,7 @@ class KVCachePlan:
         steps compute `chunk` of its tokens (default: the largest step; 1 for a decoding
         sequence)."""
         chunk = max(self.max_chunk if chunk is None else chunk, 1)
-        full = blocks_for_tokens(num_tokens, self.block_size)
-        return sum(
-            full if window is None else min(full, window_blocks(window, chunk, self.block_size))
-            for window in self.windows
-        )
+        return blocks_per_sequence(num_tokens, self.windows, self.block_size, chunk)
 
     def max_concurrency(self, max_model_len: int) -> float:
         return (self.num_blocks - 1) / self.blocks_per_sequence(max_model_len)
@@ -149,9 +145,8 @@ def plan_kv_cache(
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
     fixes the block count instead (and gives a hybrid model a slot per sequence)."""
-    layout = kv_layout(model_config)
     bytes_per_block = kv_block_bytes(model_config, dtype, block_size)
-    groups = {"windows": layout.windows or (None,), "max_chunk": max_chunk}
+    groups = {"windows": kv_layout(model_config).windows, "max_chunk": max_chunk}
     per_slot = state_bytes_per_sequence(model_config, dtype)
     if num_blocks_override is not None:
         slots = max_num_seqs if per_slot else 0

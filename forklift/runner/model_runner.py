@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
-from forklift.model.gemma3 import Gemma3ForCausalLM, local_rotary
+from forklift.model.gemma3 import Gemma3ForCausalLM
 from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
-from forklift.model.layers.rotary import RotaryEmbedding
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.quantize import (
@@ -259,17 +258,9 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
-        meta, _ = build_attention_metadata(
-            np.array([0]), np.array([num_tokens]), table, self.block_size, None, self.device
-        )
-        if len(self.kv_layout.groups) > 1:  # every group writes the same blocks: a profile
-            meta.kv_groups = [
-                build_attention_metadata(
-                    np.array([0]), np.array([num_tokens]), table, self.block_size, window,
-                    self.device,
-                )[0]
-                for window in self.kv_layout.windows
-            ]  # fmt: skip
+        # Every KV group writes the same blocks: this is a profile.
+        tables = [table] * len(self.kv_layout.windows)
+        meta, _ = self._attention_metadata(np.array([0]), np.array([num_tokens]), tables)
         meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         all_layers, all_caches = self.model.layers, self.layer_caches
         chosen = _profiled_layers(all_layers)
@@ -555,19 +546,8 @@ class ModelRunner:
             query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
             ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
             sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
-        tables = _group_tables(scheduled, rows, len(self.kv_layout.groups))
-        windows = self.kv_layout.windows or (None,)
-        meta, positions = build_attention_metadata(
-            starts, query_lens, tables[0], self.block_size, self.sliding_window or windows[0],
-            self.device, kv_width,
-        )  # fmt: skip
-        if len(tables) > 1:
-            meta.kv_groups = [meta] + [
-                build_attention_metadata(
-                    starts, query_lens, table, self.block_size, window, self.device, kv_width
-                )[0]
-                for table, window in zip(tables[1:], windows[1:], strict=True)
-            ]
+        tables = _group_tables(scheduled, rows, len(self.kv_layout.windows))
+        meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
         slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
         meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
@@ -590,6 +570,34 @@ class ModelRunner:
             inputs.prompt_rows = torch.from_numpy(rows).to(self.device)
             inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
         return inputs
+
+    def _attention_metadata(
+        self,
+        starts: np.ndarray,
+        query_lens: np.ndarray,
+        tables: list[np.ndarray],
+        kv_width: int = 0,
+    ) -> tuple[AttentionMetadata, np.ndarray]:
+        """The first KV group's metadata (with Mistral's uniform window, or the group's) and
+        each token's position; with several groups, every group's metadata as `kv_groups`."""
+        windows = self.kv_layout.windows
+        meta, positions = build_attention_metadata(
+            starts,
+            query_lens,
+            tables[0],
+            self.block_size,
+            self.sliding_window or windows[0],
+            self.device,
+            kv_width,
+        )
+        if len(tables) > 1:
+            meta.kv_groups = [meta] + [
+                build_attention_metadata(
+                    starts, query_lens, table, self.block_size, window, self.device, kv_width
+                )[0]
+                for table, window in zip(tables[1:], windows[1:], strict=True)
+            ]
+        return meta, positions
 
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` never used since the cache was allocated, now marked used."""
@@ -646,9 +654,6 @@ def build_model(
     model.load_weights(weights)
     model.pack_weights()
     # Rotary tables stay float32 (they are recomputed here because meta held no values).
-    model.rotary = RotaryEmbedding(
-        config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
-    ).to(device)
-    if isinstance(model, Gemma3ForCausalLM):
-        model.local_rotary = local_rotary(config, max_positions).to(device)
+    with torch.device(device):
+        model.make_rotary(max_positions)
     return model.eval()
