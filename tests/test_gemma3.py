@@ -173,3 +173,21 @@ def test_gguf_gemma3_logit_scale_follows_llama_cpps_rule():
     assert _gemma3_fields(62, 5376, 32, 128)["attention_multiplier"] == 168**-0.5
     layers = _gemma3_fields(18, 640, 4, 256)["layer_types"]
     assert [i for i, kind in enumerate(layers) if kind == "full_attention"] == [5, 11, 17]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+     ("use_bidirectional_attention", True), ("hidden_activation", "relu")],
+)  # fmt: skip
+def test_gemma3_configs_forklift_cannot_run_are_refused_by_name(key, value):
+    from forklift.model.model_config import ModelConfig
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    ).to_dict()  # fmt: skip
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    ModelConfig.from_hf_config(config)  # the plain config loads
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_config({**config, key: value})
