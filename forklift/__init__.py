@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "forklift.outputs",
     "CompletionOutput": "forklift.outputs",
     "Logprob": "forklift.outputs",
+    "LoRARequest": "forklift.lora_request",
 }
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from forklift.config import EngineConfig
     from forklift.engine.engine import LLMEngine
     from forklift.llm import LLM
+    from forklift.lora_request import LoRARequest
     from forklift.outputs import CompletionOutput, Logprob, RequestOutput
     from forklift.sampling_params import SamplingParams
     from forklift.structured.params import StructuredOutputsParams

@@ -104,6 +104,14 @@ class EngineConfig:
     # Speculative decoding with vLLM's keys ({"method": "ngram", "num_speculative_tokens": 4,
     # ...}, or its JSON text); None = off. Parsed into a SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's names): requests may name a PEFT adapter (LoRARequest); up to
+    # max_loras adapters run in one step (device slots, reserved before the KV cache is
+    # sized), each of rank up to max_lora_rank; host copies of up to max_cpu_loras adapters
+    # (None = max_loras) are kept for reloading evicted slots.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Per-request limits, checked before a request is queued (a ValueError naming the field;
     # HTTP 400 from the server). They bound the work one request can ask for.
     # Samples per request (`n`): each is a sequence the engine thread creates and schedules.
@@ -171,6 +179,16 @@ class EngineConfig:
             for size in self.decode_capture_sizes:
                 _positive("decode_capture_sizes", size)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
         util = self.gpu_memory_utilization
         if util is not None and not (0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
@@ -217,6 +235,9 @@ class EngineConfig:
         """The parsed speculative_config (validate() parsed it)."""
         assert not isinstance(self.speculative_config, dict | str)
         return self.speculative_config
+
+    def resolve_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     def resolve_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from forklift.config import EngineConfig
 from forklift.core.input_processor import PromptType
 from forklift.engine.engine import LLMEngine
+from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
@@ -51,6 +52,19 @@ class LLM:
         """Stop tensor-parallel worker processes; the LLM is unusable afterwards."""
         self.llm_engine.shutdown()
 
+    # ---- LoRA adapters (see the LLMEngine methods of the same names) ----------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, adapter: str | int) -> LoRARequest:
+        return self.llm_engine.remove_lora(adapter)
+
+    def list_loras(self) -> list[Any]:
+        return self.llm_engine.list_loras()
+
+    def update_lora(self, adapter: str | int, tensors: dict[str, torch.Tensor]) -> int:
+        return self.llm_engine.update_lora(adapter, tensors)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
         return self.llm_engine.reset_prefix_cache()
@@ -60,10 +74,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -73,6 +90,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`tools` (OpenAI function tools) go to the chat template, as HF passes them; hold
         a call to a schema with `SamplingParams.structured_outputs`."""
@@ -90,14 +108,19 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids})
         params_list = _as_params_list(sampling_params, len(prompts))
-        outputs = self._run(prompts, params_list, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompts))
+        outputs = self._run(prompts, params_list, use_tqdm, loras)
         for output, conversation in zip(outputs, conversations, strict=True):
             output.prompt = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
             output.extra["messages"] = conversation
         return outputs
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Tokenize and validate every prompt before queueing any, so a bad one costs no work.
@@ -105,7 +128,12 @@ class LLM:
             engine.input_processor.process(prompt, p)
             for prompt, p in zip(prompts, params, strict=True)
         ]
-        ids = [engine.add_processed(None, prompt) for prompt in processed]
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            engine.add_lora(lora)  # a bad adapter fails before anything is queued
+        ids = [
+            engine.add_processed(None, prompt, lora_request=lora)
+            for prompt, lora in zip(processed, loras, strict=True)
+        ]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(
@@ -127,6 +155,19 @@ class LLM:
         finally:
             bar.close()
         return [r for r in results if r is not None]
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(
+            f"lora_request has {len(loras)} entries for {count} prompts; give one per prompt"
+        )
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

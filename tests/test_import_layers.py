@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "forklift.structured.params",
             "forklift.checkpoint",
             "forklift.spec_decode.config",
+            "forklift.lora_request",
         ),
     ),
     ("text", ("forklift.tokenizer", "forklift.structured")),

@@ -56,6 +56,8 @@ class Request:
     queued_time: float = 0.0
     # Extra prefix-cache key (weight version, cache salt): chains never cross it.
     cache_key: bytes = b""
+    # The LoRA adapter this sequence runs with (its lora_int_id); 0: the base model.
+    lora_id: int = 0
     # Prompt tokens found in the prefix cache at first admission.
     num_cached_tokens: int = 0
     # Parallel sampling: the first sequence of a group computes the prompt; the others wait

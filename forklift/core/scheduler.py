@@ -16,6 +16,9 @@ A hybrid model's linear layers also need a state slot per running sequence (`sta
 taken at admission and given back at finish or preemption. Its samples of one prompt fork the
 leader's state where the shared blocks end: the leader's prefill chunk is cut at that block
 boundary, and the step after it copies the state into each sample's slot.
+
+With LoRA adapters, a running request holds its adapter's slot (`lora_slots`); a waiting
+request whose adapter finds no free slot is passed over until one frees.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.request import FinishReason, Request, RequestStatus
 from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from forklift.core.state_pool import StatePool
@@ -42,8 +46,10 @@ class Scheduler:
         state_pool: StatePool | None = None,
         decode_step_prefill_tokens: int | None = None,
         prefill_pace_steps: int | None = None,
+        lora_slots: LoRASlotTable | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        self.lora_slots = lora_slots
         # None: no bound beyond max_num_batched_tokens.
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
         # None: every step that decodes may prefill up to the bound above.
@@ -90,6 +96,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.scheduled and self._pending_state_copies:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         return out
 
     def _paced(self, bound: int | None) -> int | None:
@@ -113,7 +121,14 @@ class Scheduler:
 
     def _waits_for_a_slot(self, request: Request) -> bool:
         pool = self.state_pool
-        return pool is not None and pool.num_free == 0 and pool.slot_of(request.request_id) is None
+        if pool is not None and pool.num_free == 0 and pool.slot_of(request.request_id) is None:
+            return True
+        table = self.lora_slots
+        return (
+            table is not None
+            and request.lora_id > 0
+            and not table.can_acquire(request.request_id, request.lora_id)
+        )
 
     def _slot(self, request: Request) -> int:
         pool = self.state_pool
@@ -231,6 +246,8 @@ class Scheduler:
             return None
         if self.state_pool is not None:
             self.state_pool.allocate(request.request_id)  # keeps a slot it already holds
+        if self.lora_slots is not None and request.lora_id > 0:
+            self.lora_slots.acquire(request.request_id, request.lora_id)
         if fresh and kv.enable_prefix_caching:
             kv.record_lookup(request.num_tokens, start)
             if request.num_preemptions == 0:
@@ -260,12 +277,15 @@ class Scheduler:
             num_drafts,
             self.kv_manager.group_tables(request.request_id) if self.kv_manager.num_groups > 1
             else (),
+            self.lora_slots.slot_of(request.request_id) if self.lora_slots is not None else -1,
         )  # fmt: skip
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -366,6 +386,8 @@ class Scheduler:
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request.request_id)
         self.requests.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

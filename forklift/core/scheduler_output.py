@@ -60,6 +60,8 @@ class ScheduledChunk:
     # Models whose layers fall into several KV groups: every group's table (the first is
     # `block_table`), views valid for this step as `block_table` is.
     group_tables: Sequence[Sequence[int]] = ()
+    # The LoRA slot whose adapter this sequence runs with; -1: the base model.
+    lora_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -81,6 +83,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # (source, target) state slots the runner copies before this step's forward.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, adapter id) the runner loads before this step's forward.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

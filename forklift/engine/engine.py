@@ -17,21 +17,25 @@ from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.request import FinishReason, Request
 from forklift.core.scheduler import Scheduler
 from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from forklift.core.state_pool import StatePool
+from forklift.engine.lora_registry import LoRAInfo, LoRARegistry
 from forklift.engine.output_processor import (
     OutputProcessor,
     OutputSequence,
     ParentRequest,
     mark_first_token,
 )
+from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
 from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
+from forklift.runner.lora_store import LoRALimits
 from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
@@ -126,6 +130,7 @@ class LLMEngine:
                 "(linear-attention) models yet: their recurrent state would need rolling back "
                 "past rejected drafts"
             )
+        lora_limits = self._lora_limits()  # refused before any weight loads
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
@@ -162,12 +167,14 @@ class LLMEngine:
             enforce_eager=(
                 config.resolve_enforce_eager(self.device)
                 or self._tp_workers is not None
+                or lora_limits is not None  # a step's adapter rows are not captured
                 or not self.model_config.has_llama_layers
             ),
             capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
             tp=self._tp_workers.group if self._tp_workers else None,
             quantization=quantization_plan(source, self.model_config, self.quantization),
             decode_backend=config.decode_backend,
+            lora=lora_limits,
         )
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
@@ -191,6 +198,7 @@ class LLMEngine:
         self.state_pool = (
             StatePool(self.kv_plan.num_state_slots) if self.model_config.is_hybrid else None
         )
+        lora_slots = LoRASlotTable(config.max_loras) if lora_limits is not None else None
         self.scheduler = Scheduler(
             self.kv_manager,
             self._max_running_sequences(),
@@ -198,7 +206,11 @@ class LLMEngine:
             self.state_pool,
             config.resolve_decode_step_prefill_tokens(),
             config.resolve_prefill_pace_steps(),
+            lora_slots,
         )
+        self.loras: LoRARegistry | None = None
+        if self.runner.lora is not None and lora_slots is not None:
+            self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
         self.proposer = make_proposer(self.speculation) if self.speculation else None
         self.spec_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -229,6 +241,20 @@ class LLMEngine:
                 f"max_model_len ({wanted}) is larger than the model's context length ({limit})"
             )
         return wanted
+
+    def _lora_limits(self) -> LoRALimits | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.model_config.is_hybrid:
+            raise ValueError(
+                "enable_lora: LoRA adapters do not run hybrid (linear-attention) models yet"
+            )
+        if config.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora: LoRA adapters do not run with tensor_parallel_size > 1 yet"
+            )
+        return LoRALimits(config.max_loras, config.max_lora_rank, config.resolve_max_cpu_loras())
 
     def _prefix_caching_enabled(self) -> bool:
         if not self.config.enable_prefix_caching or not self.model_config.is_hybrid:
@@ -298,6 +324,14 @@ class LLMEngine:
             self.max_model_len,
             plan.max_concurrency(self.max_model_len),
         )
+        lora = self.runner.lora
+        if lora is not None:
+            logger.info(
+                "LoRA: %d adapter slots of rank up to %d (%.1f MiB, reserved before the KV "
+                "cache), %d host copies",
+                lora.limits.max_loras, lora.limits.max_lora_rank, lora.nbytes / 2**20,
+                lora.limits.max_cpu_loras,
+            )  # fmt: skip
         if plan.num_state_slots:
             logger.info(
                 "linear-layer states: %d slots x %.2f MiB = %.1f MiB (one per running sequence)",
@@ -324,23 +358,29 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; invalid input raises ValueError and leaves the engine untouched."""
         self._check_awake()  # before the prompt's checks: being asleep outranks a bad prompt
         processed = self.input_processor.process(prompt, params or SamplingParams())
-        return self.add_processed(request_id, processed, arrival_time)
+        return self.add_processed(request_id, processed, arrival_time, lora_request)
 
     def add_processed(
         self,
         request_id: str | None,
         processed: ProcessedPrompt,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a prompt `input_processor` already checked (e.g. on a server worker thread);
         only what depends on the engine's state now (asleep, a taken id) is checked here."""
         self._check_awake()
         params, prompt_ids = processed.params, processed.prompt_token_ids
-        cache_key = repr((self.weight_version, processed.cache_salt)).encode()
+        lora_id = self._lora_id(lora_request)
+        key: tuple[object, ...] = (self.weight_version, processed.cache_salt)
+        if lora_id and self.loras is not None:
+            key += self.loras.cache_key_part(lora_id)
+        cache_key = repr(key).encode()
         if request_id is None:
             request_id = self._fresh_id(params.n)
         seq_ids = _sequence_ids(request_id, params.n)
@@ -373,6 +413,7 @@ class LLMEngine:
                 eos_token_ids=frozenset(eos),
                 arrival_time=metrics.arrival_time,
                 cache_key=cache_key,
+                lora_id=lora_id,
                 grammar=grammars[index] if grammars else None,
             )
             sequence = OutputSequence(
@@ -389,6 +430,22 @@ class LLMEngine:
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
         return request_id
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        """The adapter's id (registering it on first sight), 0 for the base model."""
+        if lora_request is None:
+            return 0
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if self.loras is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r}: this engine was started without "
+                "enable_lora"
+            )
+        return self.loras.add(lora_request)
+
+    def _lora_users(self, adapter_id: int) -> int:
+        return sum(r.lora_id == adapter_id for r in self.scheduler.requests.values())
 
     def _check_awake(self) -> None:
         if self.sleep_level:
@@ -449,7 +506,7 @@ class LLMEngine:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched.scheduled, sched.state_copies)
+            result = self.runner.execute(sched.scheduled, sched.state_copies, sched.lora_loads)
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
@@ -639,6 +696,30 @@ class LLMEngine:
         self.weight_version += 1
         self.kv_manager.reset_prefix_cache()
         return applied
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("this engine was started without enable_lora")
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read, check and register an adapter ahead of its requests."""
+        self._lora_registry().add(lora_request)
+        return True
+
+    def remove_lora(self, adapter: str | int) -> LoRARequest:
+        """Forget an adapter (by name or id) that no unfinished request uses."""
+        return self._lora_registry().remove(adapter)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return [] if self.loras is None else self.loras.infos()
+
+    def update_lora(self, adapter: str | int, tensors: dict[str, torch.Tensor]) -> int:
+        """Replace an adapter's weights (PEFT-named tensors, e.g. from
+        `peft.get_peft_model_state_dict`) between steps; other adapters' requests go on.
+        Returns the adapter's new version; its older prefix-cache entries are not reused."""
+        return self._lora_registry().update(adapter, tensors)
 
     @property
     def num_staged_weights(self) -> int:

@@ -46,6 +46,7 @@ def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledCh
                     chunk.state_slot,
                     row_sampling,
                     group_tables=chunk.group_tables,
+                    lora_slot=chunk.lora_slot,
                 )
             )
             chunk_of.append(index)

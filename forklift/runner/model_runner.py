@@ -44,6 +44,7 @@ from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.draft_rows import expand_draft_rows
 from forklift.runner.linear_metadata import build_linear_metadata
+from forklift.runner.lora_store import LoRALimits, LoRAStore
 from forklift.runner.memory import (
     RECURRENT_STATE_DTYPE,
     KVCachePlan,
@@ -110,6 +111,7 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         quantization: QuantizationPlan = NO_QUANTIZATION,
         decode_backend: str = "auto",
+        lora: LoRALimits | None = None,
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
@@ -130,7 +132,10 @@ class ModelRunner:
         self.shard = (
             None if tp is None else TensorParallelShard.plan(model_config, tp.rank, tp.world_size)
         )
+        self.lora: LoRAStore | None = None
         self.model = self._build_model()
+        if lora is not None:
+            self.lora = LoRAStore(self.model, self.model.config, lora, device)
         self.native_step = self._load_native_step()
         self._step_binding: StepBinding | None = None  # bound on the first native step
         self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
@@ -175,11 +180,16 @@ class ModelRunner:
             num_blocks_override=num_blocks_override,
             memory_utilization=memory_utilization,
             total_memory=self._memory_share(),
-            weight_bytes=module_bytes(self.model) + self.model.packed_bytes(),
+            weight_bytes=module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes,
             activation_peak_bytes=peak,
             max_num_seqs=max_num_seqs,
             max_chunk=max_num_batched_tokens,
         )
+
+    @property
+    def _lora_bytes(self) -> int:
+        """The adapter slots: allocated before the KV cache is sized."""
+        return 0 if self.lora is None else self.lora.nbytes
 
     def _memory_share(self) -> int:
         """The memory this rank may plan with: tensor-parallel ranks on a CPU share its RAM."""
@@ -197,6 +207,8 @@ class ModelRunner:
         native = NativeDecodeAttention.load() if self.device.type == "cpu" else None
         model.use_decode_attention(DecodeAttention(self.device, native))
         self.quantization_report = quantize_model(model, self.quantization, self.quant_kernel)
+        if self.lora is not None:  # a rebuilt model keeps the adapters' slots
+            self.lora.attach(model)
         return model
 
     @property
@@ -417,8 +429,24 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledChunk],
         state_copies: Sequence[tuple[int, int]] = (),
+        lora_loads: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
         rows, chunk_of = expand_draft_rows(scheduled)
+        if self.lora is not None:
+            self.lora.load(lora_loads)
+            self.lora.begin_step(rows)
+        try:
+            return self._execute(rows, chunk_of, state_copies)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+
+    def _execute(
+        self,
+        rows: list[ScheduledChunk],
+        chunk_of: list[int],
+        state_copies: Sequence[tuple[int, int]],
+    ) -> StepResult:
         native = self._runs_native_step(rows)
         key = None if native else self._capture_key(rows)
         pad_to = key.batch if key is not None else None
@@ -478,7 +506,7 @@ class ModelRunner:
             self.native_step is not None
             and 0 < len(scheduled) <= NATIVE_STEP_MAX_ROWS
             and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt
-                    for s in scheduled)
+                    and s.lora_slot < 0 for s in scheduled)
         )  # fmt: skip
 
     def _native_forward(self, inputs: StepInputs) -> torch.Tensor:

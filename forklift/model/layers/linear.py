@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklift.cpu import cpu_has_fast_bf16
+from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.quantized import QuantizedWeight, quantized_linear
 
 
@@ -66,11 +67,13 @@ def packed_linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear plus an optional packed weight used in inference, and an optional quantized
-    copy used for steps of few rows (decode), where reading fewer weight bytes wins."""
+    """nn.Linear plus an optional packed weight used in inference, an optional quantized
+    copy used for steps of few rows (decode), where reading fewer weight bytes wins, and
+    optional LoRA slots whose adapters add to the rows that use them."""
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    lora: LoRASlots | None = None
 
     def pack(self) -> None:
         self.packed_weight = pack_weight(self.weight)
@@ -82,5 +85,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized
         if quantized is not None and x.shape[0] <= quantized.max_rows and x.dim() == 2:
-            return quantized_linear(x, quantized, self.bias)
-        return packed_linear(x, self.weight, self.packed_weight, self.bias)
+            out = quantized_linear(x, quantized, self.bias)
+        else:
+            out = packed_linear(x, self.weight, self.packed_weight, self.bias)
+        return out if self.lora is None else self.lora.add_delta(x, out)

@@ -1,0 +1,181 @@
+"""The runner's adapters: host copies of the known ones (LRU, `max_cpu_loras`), and the
+device slots every LoRA'd projection holds (model/layers/lora_slots.py).
+
+Adapters are read and checked when first registered, so a bad one fails its request before
+anything is queued. A host copy evicted from the LRU is read again from its directory when
+a slot needs it; an adapter whose weights were pushed in (`update`) has no directory to
+go back to, so its copy is pinned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from forklift.core.scheduler_output import ScheduledChunk
+from forklift.lora_request import LoRARequest
+from forklift.model.layers.lora_slots import LoRAContext, LoRASlots, LoRAStepRows
+from forklift.model.lora import (
+    FUSED_SLICES,
+    LoRAAdapter,
+    build_adapter,
+    load_adapter,
+    target_shapes,
+)
+from forklift.model.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LoRALimits:
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+# The fused projections' (attribute path, target modules in slice order).
+_PROJECTIONS = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", "o_proj", ("o_proj",)),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp", "down_proj", ("down_proj",)),
+)
+
+
+def lora_slot_bytes(config: ModelConfig, limits: LoRALimits) -> int:
+    """Bytes the device slots take (float32), for the memory plan."""
+    shapes = target_shapes(config)
+    per_layer = 0
+    for _, _, modules in _PROJECTIONS:
+        fan_in = shapes[modules[0]][0]
+        fan_out = sum(shapes[m][1] for m in modules)
+        per_layer += len(modules) * limits.max_lora_rank * fan_in + fan_out * limits.max_lora_rank
+    return 4 * limits.max_loras * per_layer * config.num_layers
+
+
+class LoRAStore:
+    def __init__(
+        self, model: nn.Module, config: ModelConfig, limits: LoRALimits, device: torch.device
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.device = device
+        self.context = LoRAContext()
+        shapes = target_shapes(config)
+        # (layer, projection) -> its slots.
+        self.slots: dict[tuple[int, str], LoRASlots] = {}
+        for index in range(config.num_layers):
+            for _, name, modules in _PROJECTIONS:
+                self.slots[(index, name)] = LoRASlots(
+                    self.context, limits.max_loras, shapes[modules[0]][0],
+                    tuple(shapes[m][1] for m in modules), limits.max_lora_rank, device,
+                )  # fmt: skip
+        self.attach(model)
+        self._requests: dict[int, LoRARequest] = {}
+        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._pinned: dict[int, LoRAAdapter] = {}
+        self._in_slot: list[int | None] = [None] * limits.max_loras
+
+    def attach(self, model: nn.Module) -> None:
+        """Give each LoRA'd projection of `model` its slots."""
+        for index, layer in enumerate(model.layers):
+            for owner, name, _ in _PROJECTIONS:
+                getattr(getattr(layer, owner), name).lora = self.slots[(index, name)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots.values())
+
+    def register(self, request: LoRARequest) -> None:
+        """Know an adapter by its id, reading and checking it now (ValueError if bad)."""
+        known = self._requests.get(request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} already names adapter "
+                    f"{known.lora_name!r} ({known.lora_path!r}), not {request.lora_name!r} "
+                    f"({request.lora_path!r})"
+                )
+            return
+        adapter = load_adapter(request.lora_path, self.config, self.limits.max_lora_rank)
+        self._requests[request.lora_int_id] = request
+        self._keep(request.lora_int_id, adapter)
+
+    def forget(self, adapter_id: int) -> None:
+        self._requests.pop(adapter_id, None)
+        self._host.pop(adapter_id, None)
+        self._pinned.pop(adapter_id, None)
+
+    def update(self, adapter_id: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace a registered adapter's weights (PEFT-named tensors, its own scaling); a
+        slot holding it is refreshed by the next load the scheduler queues."""
+        request = self._requests.get(adapter_id)
+        if request is None:
+            raise ValueError(f"no LoRA adapter with lora_int_id {adapter_id} is loaded")
+        scaling = self._adapter(adapter_id).scaling
+        adapter = build_adapter(
+            request.lora_name, tensors, scaling, self.config, self.limits.max_lora_rank
+        )
+        self._host.pop(adapter_id, None)
+        self._pinned[adapter_id] = adapter
+
+    def load(self, loads: Sequence[tuple[int, int]]) -> None:
+        """Write each (slot, adapter id) into every projection's slots."""
+        for slot, adapter_id in loads:
+            adapter = self._adapter(adapter_id)
+            for (layer, name), slots in self.slots.items():
+                modules = next(m for _, n, m in _PROJECTIONS if n == name)
+                for module in modules:
+                    part = adapter.modules.get((layer, module))
+                    slots.write(slot, FUSED_SLICES[module][1], part)
+            self._in_slot[slot] = adapter_id
+
+    def _adapter(self, adapter_id: int) -> LoRAAdapter:
+        pinned = self._pinned.get(adapter_id)
+        if pinned is not None:
+            return pinned
+        adapter = self._host.get(adapter_id)
+        if adapter is None:  # evicted from host memory: read it again
+            request = self._requests[adapter_id]
+            adapter = load_adapter(request.lora_path, self.config, self.limits.max_lora_rank)
+            self._keep(adapter_id, adapter)
+        else:
+            self._host.move_to_end(adapter_id)
+        return adapter
+
+    def _keep(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        self._host[adapter_id] = adapter
+        self._host.move_to_end(adapter_id)
+        while len(self._host) > self.limits.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def begin_step(self, rows: Sequence[ScheduledChunk]) -> LoRAStepRows | None:
+        """Set which slot each token row of the step uses (None: every row is the base's)."""
+        slots = [row.lora_slot for row in rows]
+        if all(slot < 0 for slot in slots):
+            self.context.rows = None
+            return None
+        counts = [row.num_new_tokens for row in rows]
+        token_slots = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in sorted({s for s in slots if s >= 0}):
+            where = np.flatnonzero(token_slots == slot)
+            index = None if where.size == token_slots.size else torch.from_numpy(where)
+            groups.append((slot, None if index is None else index.to(self.device)))
+        step = LoRAStepRows(torch.from_numpy(token_slots).to(self.device), groups)
+        self.context.rows = step
+        return step
+
+    def end_step(self) -> None:
+        self.context.rows = None
+
+    def residents(self) -> list[str | None]:
+        """The adapter name in each slot (for /status and logs)."""
+        return [
+            None if a is None or a not in self._requests else self._requests[a].lora_name
+            for a in self._in_slot
+        ]
