@@ -27,6 +27,7 @@ def make_adapter(
     seed: int = 0,
     alpha: float | None = None,
     use_rslora: bool = False,
+    std: float = 0.3,
 ) -> Adapter:
     """A random adapter (B is not zero, so it changes the output) saved as PEFT saves it."""
     torch.manual_seed(seed)
@@ -42,6 +43,6 @@ def make_adapter(
     with torch.no_grad():  # PEFT's random init is tiny against these wide tiny models
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.normal_(0, 0.3)
+                param.normal_(0, std)
     model.save_pretrained(directory)
     return Adapter(directory, model)

@@ -125,8 +125,11 @@ def read_scaling(path: Path) -> LoRAScaling:
     return LoRAScaling(float(alpha), bool(config.get("use_rslora", False)))
 
 
-def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT adapter directory against the base model's `config`."""
+def load_adapter(
+    path: str | Path, config: ModelConfig, max_rank: int, name: str | None = None
+) -> LoRAAdapter:
+    """Read and check a PEFT adapter directory against the base model's `config`; errors
+    name the adapter by `name` (default: its path)."""
     from safetensors import safe_open
 
     directory = Path(path)
@@ -141,7 +144,7 @@ def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAd
             tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"LoRA adapter {str(path)!r}: cannot read {WEIGHTS_FILE}: {exc}") from exc
-    return build_adapter(str(path), tensors, scaling, config, max_rank)
+    return build_adapter(name or str(path), tensors, scaling, config, max_rank)
 
 
 def build_adapter(

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from forklift.model.gemma3 import Gemma3ForCausalLM
+from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.model.llama import LayerCache, LlamaForCausalLM
@@ -46,6 +47,17 @@ class _QuantWeight(ctypes.Structure):
     ]
 
 
+class _StepLoRA(ctypes.Structure):
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("ranks", ctypes.c_void_p),
+        ("slice_starts", ctypes.c_void_p),
+        ("slices", ctypes.c_int64),
+        ("max_rank", ctypes.c_int64),
+    ]
+
+
 class _StepLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -65,6 +77,10 @@ class _StepLayer(ctypes.Structure):
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
         ("group", ctypes.c_int64),
+        ("lora_qkv", _StepLoRA),
+        ("lora_o", _StepLoRA),
+        ("lora_gate_up", _StepLoRA),
+        ("lora_down", _StepLoRA),
     ]
 
 
@@ -110,6 +126,16 @@ def _quant_weight(weight: object) -> _QuantWeight:
     assert isinstance(weight, BlockInt8)
     return _QuantWeight(weight.codes.data_ptr(), weight.scales.data_ptr(), None, *weight.shape,
                         weight.precise)  # fmt: skip
+
+
+def _lora(linear: nn.Module) -> _StepLoRA:
+    slots: LoRASlots | None = getattr(linear, "lora", None)
+    if slots is None:
+        return _StepLoRA()
+    return _StepLoRA(
+        _pointer(slots.a), _pointer(slots.b), _pointer(slots.ranks),
+        _pointer(slots.slice_starts_tensor), len(slots.slice_sizes), slots.max_rank,
+    )  # fmt: skip
 
 
 def _head_weight(model: LlamaForCausalLM) -> object:
@@ -197,6 +223,8 @@ class StepBinding:
                 _pointer(cos),
                 _pointer(sin),
                 getattr(layer, "kv_group", 0),
+                *(_lora(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)),
             ))  # fmt: skip
         self._layers = (_StepLayer * len(layers))(*layers)
         self.num_groups = 1 + max(layer.group for layer in layers)
@@ -228,6 +256,7 @@ class NativeDecodeStep:
         function.argtypes = [
             ctypes.POINTER(_StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_StepGroup), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_void_p,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -256,9 +285,11 @@ class NativeDecodeStep:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        row_lora: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [rows, vocab] float32 of one decode token per row; K/V written in place.
-        `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step."""
+        `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
+        `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter."""
         rows = input_ids.shape[0]
         if not 0 < rows <= NATIVE_STEP_MAX_ROWS:
             raise ValueError(f"a native step runs 1-{NATIVE_STEP_MAX_ROWS} rows, got {rows}")
@@ -276,12 +307,17 @@ class NativeDecodeStep:
             structs.append(_StepGroup(slots.data_ptr(), blocks.data_ptr(), blocks.shape[1],
                                       bias.data_ptr()))  # fmt: skip
         group_array = (_StepGroup * len(structs))(*structs)
+        lora_rows = None
+        if row_lora is not None:
+            lora_rows = row_lora.to(torch.int64).contiguous()
+            kept.append(lora_rows)
         logits = torch.empty(rows, binding.vocab, dtype=torch.float32)
         profiling = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
             failed = self._function(
                 ctypes.byref(binding.model), rows, ids.data_ptr(), positions.data_ptr(),
                 group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
+                None if lora_rows is None else lora_rows.data_ptr(),
             )  # fmt: skip
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")

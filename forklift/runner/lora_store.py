@@ -101,7 +101,9 @@ class LoRAStore:
                     f"({request.lora_path!r})"
                 )
             return
-        adapter = load_adapter(request.lora_path, self.config, self.limits.max_lora_rank)
+        adapter = load_adapter(
+            request.lora_path, self.config, self.limits.max_lora_rank, request.lora_name
+        )
         self._requests[request.lora_int_id] = request
         self._keep(request.lora_int_id, adapter)
 
@@ -141,7 +143,9 @@ class LoRAStore:
         adapter = self._host.get(adapter_id)
         if adapter is None:  # evicted from host memory: read it again
             request = self._requests[adapter_id]
-            adapter = load_adapter(request.lora_path, self.config, self.limits.max_lora_rank)
+            adapter = load_adapter(
+                request.lora_path, self.config, self.limits.max_lora_rank, request.lora_name
+            )
             self._keep(adapter_id, adapter)
         else:
             self._host.move_to_end(adapter_id)

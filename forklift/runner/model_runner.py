@@ -506,7 +506,7 @@ class ModelRunner:
             self.native_step is not None
             and 0 < len(scheduled) <= NATIVE_STEP_MAX_ROWS
             and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt
-                    and s.lora_slot < 0 for s in scheduled)
+                    for s in scheduled)
         )  # fmt: skip
 
     def _native_forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -518,7 +518,11 @@ class ModelRunner:
             (meta.slot_mapping, meta.groups[0].kv_blocks, meta.groups[0].mask)
             for meta in inputs.meta.kv_groups or [inputs.meta]
         ]
-        return self.native_step(self._step_binding, inputs.input_ids, inputs.positions, groups)
+        rows = self.lora.context.rows if self.lora is not None else None
+        row_lora = rows.token_slots if rows is not None else None
+        return self.native_step(
+            self._step_binding, inputs.input_ids, inputs.positions, groups, row_lora
+        )
 
     def _copy_states(self, copies: torch.Tensor) -> None:
         source, target = copies[:, 0], copies[:, 1]

@@ -51,6 +51,7 @@ class LoRASlots:
         self.max_rank = max_rank
         self.slice_sizes = slice_sizes
         self.slice_starts = [sum(slice_sizes[:i]) for i in range(len(slice_sizes) + 1)]
+        self.slice_starts_tensor = torch.tensor(self.slice_starts, dtype=torch.int64)
         out_features = self.slice_starts[-1]
         slices = len(slice_sizes)
         self.a = torch.zeros(num_slots, slices * max_rank, in_features, device=device)

@@ -10,12 +10,23 @@
  * its group's blocks, window-masked, and writes its own slots).
  *
  * Every linear is a block-quantized weight (quant_matmul.h); norms, the embedding and the
- * KV cache are in the model's dtype (bf16 or fp32). The residual stream and every
- * activation stay in fp32 between operations. Each matmul and the attention fan out over
- * the OpenMP threads torch uses; the small per-row operations run on the calling thread.
+ * KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA adapter adds its
+ * slot's delta to each projection it adapts (float32 slots, see lora_add). The residual
+ * stream and every activation stay in fp32 between operations. Each matmul and the
+ * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
+ * the calling thread.
  */
 #include "paged_attention.h"
 #include "quant_matmul.h"
+
+/* One projection's LoRA slots (forklift/model/layers/lora_slots.py); a == NULL: none. */
+typedef struct {
+    const float *a;             /* [slots, slices * max_rank, in] */
+    const float *b;             /* [slots, out, max_rank]: each output's own slice's ranks */
+    const int64_t *ranks;       /* [slots, slices]: 0 where a slice is not adapted */
+    const int64_t *slice_starts; /* [slices + 1] output offsets */
+    int64_t slices, max_rank;
+} StepLoRA;
 
 typedef struct {
     const void *input_norm;  /* [hidden] */
@@ -32,6 +43,7 @@ typedef struct {
     const float *rope_cos;   /* [max_positions, rotary_dim], rotate-half: this layer's table */
     const float *rope_sin;
     int64_t group;           /* the KV group whose slots, blocks and mask this layer uses */
+    StepLoRA lora_qkv, lora_o, lora_gate_up, lora_down;
 } StepLayer;
 
 /* One KV group's step metadata (see forklift_decode_step). */
@@ -122,6 +134,54 @@ static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *
     for (; i < n; i++) {
         const float g = gate[i];
         act[i] = g * sigmoid1(twice_c * (g + cubic * g * g * g)) * up[i];
+    }
+}
+
+/* The dot product of two rows of n floats, sixteen lanes at a time. */
+static inline float vector_dot(const float *a, const float *b, int64_t n) {
+    float16_vector sum = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        float16_vector x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        sum += x * y;
+    }
+    float total = 0.0f;
+    for (int lane = 0; lane < 16; lane++) total += sum[lane];
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* y[r] += x[r] @ A_s.T @ B_s.T for each row r whose adapter slot s = row_lora[r] >= 0, slice
+ * by slice (an output reads only its own slice's ranks). Parallel over (row, slice, rank)
+ * for the shrink and over outputs for the expansion. */
+static void lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t out,
+                     int64_t rows, const int64_t *row_lora, float *y, int num_threads) {
+    if (lora->a == NULL || row_lora == NULL) return;
+    const int64_t slices = lora->slices, max_rank = lora->max_rank, width = slices * max_rank;
+    float shrunk[rows * width];
+    const int64_t tasks = rows * width;
+#pragma omp parallel for num_threads(num_threads) if (tasks * in > 65536)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / width, column = task % width;
+        const int64_t slot = row_lora[r], slice = column / max_rank;
+        shrunk[task] = 0.0f;
+        if (slot < 0 || column % max_rank >= lora->ranks[slot * slices + slice]) continue;
+        shrunk[task] = vector_dot(lora->a + (slot * width + column) * in, x + r * in, in);
+    }
+#pragma omp parallel for num_threads(num_threads) if (rows * out * max_rank > 65536)
+    for (int64_t o = 0; o < out; o++) {
+        int64_t i = 0;
+        while (o >= lora->slice_starts[i + 1]) i++;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t slot = row_lora[r];
+            if (slot < 0) continue;
+            const int64_t rank = lora->ranks[slot * slices + i];
+            if (rank > 0)
+                y[r * out + o] += vector_dot(lora->b + (slot * out + o) * max_rank,
+                                      shrunk + r * width + i * max_rank, rank);
+        }
     }
 }
 
@@ -217,10 +277,11 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
 /* Logits [rows, vocab] float32 for one decode token per row. Per KV group: blocks [rows,
  * table_width] and bias [rows, table_width * block_size] as decode_attention.c reads them,
  * and slots: each row's cache slot for its new K/V; timings: NULL, or three sums (see
- * TIMED). Returns 0, or 1 when scratch memory ran out. */
+ * TIMED); row_lora: NULL, or each row's LoRA slot (-1: none). Returns 0, or 1 when scratch
+ * memory ran out. */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
-                         int num_threads, double *timings) {
+                         int num_threads, double *timings, const int64_t *row_lora) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
     const int64_t hidden = m->hidden, head_dim = m->head_dim;
@@ -270,6 +331,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
         TIMED(0, quant_matmul_rows(&layer->qkv, normed, rows, views, rest, qkv, num_threads));
+        TIMED(0, lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
+                          num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
         const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
         for (int64_t r = 0; r < rows; r++) {
@@ -304,6 +367,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         float *context = qkv;
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
         TIMED(0, quant_matmul_rows(&layer->o, context, rows, views, rest, normed, num_threads));
+        TIMED(0, lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
+                          num_threads));
         for (int64_t r = 0; r < rows; r++) {
             float *out = normed + r * hidden;
             if (layer->o_bias != NULL)
@@ -316,6 +381,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
         TIMED(0, quant_matmul_rows(&layer->gate_up, normed, rows, views, rest, gate_up, num_threads));
+        TIMED(0, lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
+                          gate_up, num_threads));
         for (int64_t r = 0; r < rows; r++) {
             const float *g = gate_up + r * 2 * inter;
             if (m->gelu)
@@ -324,6 +391,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                 silu_mul(g, g + inter, inter, activated + r * inter);
         }
         TIMED(0, quant_matmul_rows(&layer->down, activated, rows, views, rest, normed, num_threads));
+        TIMED(0, lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
+                          num_threads));
         if (layer->mlp_out_norm != NULL)
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(normed + r * hidden, layer->mlp_out_norm, hidden, m->eps, is_bf16,
