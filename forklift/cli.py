@@ -49,6 +49,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (methods: ngram, suffix; default off)',
     )
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="let requests run LoRA adapters (PEFT directories) beside the base model",
+    )
+    group.add_argument("--max-loras", type=int, default=1, help="adapters in one step")
+    group.add_argument("--max-lora-rank", type=int, default=16)
+    group.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory"
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -104,6 +114,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         decode_backend=args.decode_backend,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -199,8 +213,12 @@ def serving_engine_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from forklift.server.serve import serve
 
+    lora_modules = parse_lora_modules(args.lora_modules, args.enable_lora)
     if args.data_parallel_size != 1 or args.ray_address is not None:
         from forklift.dp.launch import serve_data_parallel
+
+        if lora_modules:
+            raise ValueError("--lora-modules: data-parallel replicas do not load adapters yet")
 
         return serve_data_parallel(
             serving_engine_config(args),
@@ -226,7 +244,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_trainer_routes=args.enable_trainer_routes,
         shutdown_timeout_s=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=lora_modules,
     )
+
+
+def parse_lora_modules(modules: list[str] | None, enable_lora: bool) -> list[Any]:
+    """`name=path` entries as LoRARequests, numbered from 1."""
+    from forklift.lora_request import LoRARequest
+
+    if not modules:
+        return []
+    if not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    requests = []
+    for index, entry in enumerate(modules, start=1):
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {entry!r} is not name=path")
+        requests.append(LoRARequest(name, index, path))
+    return requests
 
 
 def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -320,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve POST /v1/weights, /pause, /resume, /sleep, /wake_up, /reset_prefix_cache "
         "(needs --api-key unless the host is loopback)",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under their names (needs --enable-lora)",
     )
     srv.add_argument(
         "--shutdown-timeout",

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from forklift.core.input_processor import ProcessedPrompt, PromptType
 from forklift.engine.engine import LLMEngine
+from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class _Add:
     request_id: str
     prompt: ProcessedPrompt
     arrival_time: float | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -114,10 +116,13 @@ class AsyncEngine:
         return queued + self.engine.stats().num_waiting
 
     def submit(
-        self, requests: list[tuple[str, ProcessedPrompt]], arrival_time: float
+        self,
+        requests: list[tuple[str, ProcessedPrompt]],
+        arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Queue requests (all or none; each from `process`) and return one output stream per
-        request.
+        """Queue requests (all or none; each from `process`, all with `lora_request`'s
+        adapter or none) and return one output stream per request.
 
         The waiting-queue check and the queueing happen under one lock, so a burst can never
         overshoot `max_waiting_requests`. Leaving a stream early aborts its request.
@@ -135,7 +140,7 @@ class AsyncEngine:
             for request_id, prompt in requests:
                 stream = _Stream(loop, asyncio.Queue())
                 self._streams[request_id] = stream
-                self._commands.append(_Add(request_id, prompt, arrival_time))
+                self._commands.append(_Add(request_id, prompt, arrival_time, lora_request))
                 streams.append(self._read(request_id, stream))
         self._wake.set()
         return streams
@@ -295,7 +300,9 @@ class AsyncEngine:
             if stream is None:  # the caller left before its request was queued
                 continue
             try:
-                self.engine.add_processed(command.request_id, command.prompt, command.arrival_time)
+                self.engine.add_processed(
+                    command.request_id, command.prompt, command.arrival_time, command.lora_request
+                )
             except ValueError as exc:
                 stream.put(exc)
 

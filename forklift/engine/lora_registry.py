@@ -48,6 +48,10 @@ class LoRARegistry:
         self._versions.setdefault(request.lora_int_id, 0)
         return request.lora_int_id
 
+    def next_id(self) -> int:
+        """An id no loaded adapter has (for adapters loaded by name and path only)."""
+        return max(self._by_id, default=0) + 1
+
     def by_name(self, name: str) -> LoRARequest | None:
         return next((r for r in self._by_id.values() if r.lora_name == name), None)
 

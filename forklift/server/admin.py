@@ -38,7 +38,7 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/weights")
     async def push_weights(request: Request, finalize: bool = False) -> dict[str, Any]:
         """A safetensors payload of HF-named tensors, staged; `?finalize=true` also applies."""
-        tensors = await _read_safetensors(request)
+        tensors = await read_safetensors(request)
         if not tensors:
             raise APIError(400, "the safetensors payload holds no tensors")
 
@@ -93,7 +93,7 @@ def add_admin_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"sleep_level": 0}
 
 
-async def _read_safetensors(request: Request) -> dict[str, torch.Tensor]:
+async def read_safetensors(request: Request) -> dict[str, torch.Tensor]:
     """The body, streamed to a temporary file (never whole in memory), then parsed off the
     event loop. Its size is bounded by `ServerLimits.max_weights_body_bytes`."""
     with tempfile.NamedTemporaryFile(prefix="forklift-weights-", suffix=".safetensors") as file:

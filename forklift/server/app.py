@@ -26,6 +26,7 @@ from forklift.server.chat import chat_prompt_ids, create_chat_completion
 from forklift.server.completions import create_completion
 from forklift.server.errors import APIError, error_response
 from forklift.server.limits import ServerLimits
+from forklift.server.lora_routes import adapter_models, add_lora_routes
 from forklift.server.metrics import ServerMetrics
 from forklift.server.protocol import (
     ChatCompletionRequest,
@@ -83,6 +84,8 @@ def build_app(
     add_status_routes(app, app.state.status)
     if enable_trainer_routes:
         add_admin_routes(app, ctx)
+    if async_engine.engine.loras is not None:
+        add_lora_routes(app, ctx)
     return app
 
 
@@ -126,7 +129,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
                     "created": 0,
                     "owned_by": "forklift",
                     "max_model_len": engine.max_model_len,
-                }
+                },
+                *adapter_models(ctx, 0),
             ],
         }
 

@@ -81,7 +81,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest,
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> JSONResponse | StreamingResponse | None:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     max_logprobs = ctx.async_engine.engine.config.max_logprobs
@@ -106,7 +106,7 @@ async def create_chat_completion(
         body.chat_template_kwargs,
         tools,
     )
-    run = await launch(ctx, "chatcmpl", [prompt], params, body.cache_salt)
+    run = await launch(ctx, "chatcmpl", [prompt], params, body.cache_salt, lora)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, run, tools), media_type="text/event-stream")
     finals = await collect_unless_disconnected(run.stream, is_disconnected)
@@ -133,7 +133,7 @@ async def create_chat_completion(
             "id": run.response_id,
             "object": "chat.completion",
             "created": run.created,
-            "model": ctx.served_model_name,
+            "model": run.model,
             "choices": choices,
             "usage": usage(run.prompt_ids, [output]),
             "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs),
@@ -155,7 +155,7 @@ async def _stream(
                 "id": run.response_id,
                 "object": "chat.completion.chunk",
                 "created": run.created,
-                "model": ctx.served_model_name,
+                "model": run.model,
                 "choices": [choice],
             }
         )
@@ -189,7 +189,7 @@ async def _stream(
                 "id": run.response_id,
                 "object": "chat.completion.chunk",
                 "created": run.created,
-                "model": ctx.served_model_name,
+                "model": run.model,
                 "choices": [],
                 "usage": usage(run.prompt_ids, [final]),
             }

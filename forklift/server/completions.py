@@ -42,7 +42,7 @@ def prompt_list(ctx: ServerContext, prompt: Any) -> list[str | list[int]]:
 async def create_completion(
     ctx: ServerContext, body: CompletionRequest, is_disconnected: Callable[[], Awaitable[bool]]
 ) -> JSONResponse | StreamingResponse | None:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     # Evaluation harnesses score a prompt with echo, logprobs and max_tokens 0: the prompt's
@@ -53,7 +53,7 @@ async def create_completion(
         top = max(body.logprobs, body.prompt_logprobs or 0)
         params = params.clone(prompt_logprobs=top)
     prompts = prompt_list(ctx, body.prompt)
-    run = await launch(ctx, "cmpl", prompts, params, body.cache_salt)
+    run = await launch(ctx, "cmpl", prompts, params, body.cache_salt, lora)
     if echo_only:
         run.stream = _without_completions(run.stream)
     if body.stream:
@@ -89,7 +89,7 @@ async def create_completion(
             "id": run.response_id,
             "object": "text_completion",
             "created": run.created,
-            "model": ctx.served_model_name,
+            "model": run.model,
             "choices": choices,
             "usage": usage(run.prompt_ids, outputs),
         }
@@ -162,7 +162,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, run: Launch) -> A
                 "id": run.response_id,
                 "object": "text_completion",
                 "created": run.created,
-                "model": ctx.served_model_name,
+                "model": run.model,
                 "choices": choices,
             }
         )
@@ -183,7 +183,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, run: Launch) -> A
                 "id": run.response_id,
                 "object": "text_completion",
                 "created": run.created,
-                "model": ctx.served_model_name,
+                "model": run.model,
                 "choices": [],
                 "usage": usage(run.prompt_ids, outputs),
             }

@@ -12,13 +12,15 @@ from forklift.config import EngineConfig
 from forklift.server.errors import APIError
 
 WEIGHTS_PATH = "/v1/weights"
+LORA_WEIGHTS_PATH = "/v1/update_lora_adapter"
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     # Bytes of a request body (JSON); a bigger one is a 413 before it is parsed.
     max_body_bytes: int = 8 * 2**20
-    # Bytes of a `POST /v1/weights` safetensors body, streamed to a temporary file.
+    # Bytes of a `POST /v1/weights` (or /v1/update_lora_adapter) safetensors body, streamed
+    # to a temporary file.
     max_weights_body_bytes: int = 16 * 2**30
     # Prompts in one /v1/completions request (each becomes a request of its own).
     max_prompts_per_request: int = 128
@@ -33,7 +35,8 @@ class ServerLimits:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def body_limit(self, path: str) -> int:
-        return self.max_weights_body_bytes if path == WEIGHTS_PATH else self.max_body_bytes
+        weights = path in (WEIGHTS_PATH, LORA_WEIGHTS_PATH)
+        return self.max_weights_body_bytes if weights else self.max_body_bytes
 
 
 def at_most(field: str, count: int, limit: int, limit_name: str) -> None:

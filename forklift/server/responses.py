@@ -46,7 +46,7 @@ async def create_response(
     body: ResponsesRequest,
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> JSONResponse | StreamingResponse | None:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     refuse_unsupported(body)
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -65,9 +65,9 @@ async def create_response(
         params = make_params(ctx, chat, body.max_output_tokens, None, constraint)
         # Rendering the template and tokenizing run in a worker thread, off the event loop.
         prompt = await asyncio.to_thread(chat_prompt_ids, ctx, chat.messages, True, None, tools)
-        run = await launch(ctx, "resp", [prompt], params)
+        run = await launch(ctx, "resp", [prompt], params, lora=lora)
     frame = ResponseFrame(
-        "resp_" + run.response_id.removeprefix("resp-"), run.created, ctx.served_model_name, body
+        "resp_" + run.response_id.removeprefix("resp-"), run.created, run.model, body
     )
     parser = make_parser(ctx.tool_call_parser, tools.names if tools else None)
     if body.stream:

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -14,6 +15,7 @@ import uvicorn
 from forklift.checkpoint.source import DEFAULT_MODEL_FILE
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
+from forklift.lora_request import LoRARequest
 from forklift.server.announce import ready_line
 from forklift.server.app import build_app
 from forklift.server.exposure import check_trainer_routes_exposure
@@ -53,10 +55,16 @@ def serve(
     shutdown_timeout_s: float = 30.0,
     out: TextIO = sys.stdout,
     tool_call_parser: str = "hermes",
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> int:
+    """Serve until SIGTERM / SIGINT; `lora_modules` are loaded (and checked) first."""
     check_trainer_routes_exposure(host, api_key, enable_trainer_routes)  # before any loading
     engine = LLMEngine(config)
     name = served_model_name or default_served_name(config.model)
+    for adapter in lora_modules:
+        if adapter.lora_name == name:
+            raise ValueError(f"--lora-modules: {name!r} is the served model's name")
+        engine.add_lora(adapter)
     app = build_app(
         engine,
         name,

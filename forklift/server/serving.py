@@ -11,6 +11,7 @@ from typing import Any
 
 from forklift.core.input_processor import ProcessedPrompt
 from forklift.engine.async_engine import AsyncEngine
+from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 from forklift.server.errors import APIError, bad_request
@@ -42,16 +43,28 @@ class ServerContext:
             raise APIError(400, "this model has no tokenizer; send prompts as token ids")
         return tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            # OpenAI's and vLLM's answer: 404 with code model_not_found.
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves "
-                f"`{self.served_model_name}`.",
-                "model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model; a name
+        that is neither is a 404."""
+        if model is None or model == self.served_model_name:
+            return None
+        loras = self.async_engine.engine.loras
+        adapter = loras.by_name(model) if loras is not None else None
+        if adapter is not None:
+            return adapter
+        # OpenAI's and vLLM's answer: 404 with code model_not_found.
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves "
+            f"`{self.served_model_name}`"
+            + (f" and the LoRA adapters {self.adapter_names()}." if self.adapter_names() else "."),
+            "model",
+            code="model_not_found",
+        )
+
+    def adapter_names(self) -> list[str]:
+        loras = self.async_engine.engine.loras
+        return [] if loras is None else [info.name for info in loras.infos()]
 
 
 @dataclass
@@ -62,6 +75,8 @@ class Launch:
     created: int
     prompt_ids: list[list[int]]
     stream: AsyncIterator[tuple[int, RequestOutput]]
+    # The `model` the responses name: the served model, or the adapter asked for.
+    model: str = ""
 
 
 async def launch(
@@ -70,6 +85,7 @@ async def launch(
     prompts: list[str | list[int]],
     params: SamplingParams,
     cache_salt: str | None = None,
+    lora: LoRARequest | None = None,
 ) -> Launch:
     """Tokenize and validate every prompt (text or token ids) first, then start them all; a
     bad one starts none.
@@ -92,9 +108,11 @@ async def launch(
         raise bad_request(exc) from exc
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
-    streams = engine.submit([(f"{response_id}-{i}", p) for i, p in enumerate(processed)], arrival)
+    requests = [(f"{response_id}-{i}", p) for i, p in enumerate(processed)]
+    streams = engine.submit(requests, arrival, lora)
     ids = [p.prompt_token_ids for p in processed]
-    return Launch(response_id, int(arrival), ids, merge_streams(streams))
+    model = ctx.served_model_name if lora is None else lora.lora_name
+    return Launch(response_id, int(arrival), ids, merge_streams(streams), model)
 
 
 def make_params(
