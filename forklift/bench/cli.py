@@ -69,6 +69,12 @@ BENCHMARKS = (
         commands.decode_command,
     ),
     Benchmark(
+        "lora",
+        "decode step and serving cost of LoRA adapters, mixed in one batch",
+        commands.add_lora_args,
+        commands.lora_command,
+    ),
+    Benchmark(
         "profile",
         "where a decode step's time goes",
         commands.add_profile_args,

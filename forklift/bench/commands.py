@@ -290,6 +290,31 @@ def decode_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- lora ---------------------------------------------------------------------------------
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated")
+    parser.add_argument("--ranks", default=None, help="comma-separated adapter ranks")
+    parser.add_argument("--quick", action="store_true", help="a small run (under 2 minutes)")
+
+
+def lora_command(args: argparse.Namespace) -> int:
+    from forklift.bench.lora import LoRABenchSettings, render_markdown, run_lora_bench, write_report
+
+    overrides: dict[str, Any] = {"model": args.model}
+    if args.batch_sizes is not None:
+        overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
+    if args.ranks is not None:
+        overrides["ranks"] = positive_ints(args.ranks, "--ranks")
+    settings = (LoRABenchSettings.quick if args.quick else LoRABenchSettings)(**overrides)
+    report = run_lora_bench(settings)
+    command = _command("lora", args.quick) + _given(args, "model", "batch_sizes", "ranks")
+    _publish(report, command, args.out_dir, write_report, render_markdown)
+    return 0
+
+
 # ---- profile ------------------------------------------------------------------------------
 
 

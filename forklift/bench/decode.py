@@ -17,6 +17,7 @@ import random
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from forklift.bench.environment import environment_variable
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.cpu import CPU_KIND_ENV
 from forklift.llm import LLM
+from forklift.lora_request import LoRARequest
 from forklift.model.layers.linear import Linear
 from forklift.model.model_config import ModelConfig
 from forklift.native.build import DISABLE_ENV
@@ -208,10 +210,11 @@ def time_pure_decode(
     *,
     margin: int = 4,
     strict: bool = True,
+    lora_requests: Sequence[LoRARequest | None] = (),
 ) -> list[float]:
     """Durations of `count` steps in which each of `batch` requests of `context` random prompt
     tokens decodes one token. `margin` extra output tokens per request; `strict` raises when
-    fewer such steps ran."""
+    fewer such steps ran; request i runs adapter `lora_requests[i % len]` (none if empty)."""
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     # Requests prefilled in earlier chunks decode while later ones still prefill: give them
@@ -219,9 +222,10 @@ def time_pure_decode(
     budget = engine.config.resolve_max_num_batched_tokens()
     tokens = count + margin + prefill_steps(batch, context, budget)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for _ in range(batch):
+    for index in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(context)]
-        engine.add_request(None, prompt, params)
+        lora = lora_requests[index % len(lora_requests)] if lora_requests else None
+        engine.add_request(None, prompt, params, lora_request=lora)
     first = engine.step_log[-1].index if engine.step_log else 0
     while engine.has_unfinished_requests():
         engine.step()
