@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from forklift.cli import main
 from forklift.rl.grpo import GRPOConfig, group_advantages
@@ -60,3 +61,40 @@ def test_quick_grpo_bench(tmp_path):
     assert report["step_speedup"] == pytest.approx(
         summary["hf"]["step_s"] / summary["forklift"]["step_s"]
     )
+
+
+def test_grpo_with_a_lora_adapter_keeps_engine_and_trainer_in_step():
+    """The policy is a PEFT adapter: each step pushes only its tensors (`update_lora`), and
+    the engine's rollout logprobs under the pushed adapter are HF + PEFT's (ratio 1 before
+    every update, including after the first update made the adapter non-zero)."""
+    from forklift.rl.grpo import GRPOTrainer, completion_logprobs
+    from forklift.rl.rollouts import forklift_rollouts
+
+    config = GRPOConfig(steps=1, prompts_per_step=2, group_size=4, max_tokens=4, lora_rank=4,
+                        learning_rate=1e-3)  # fmt: skip
+    trainer = GRPOTrainer(config)
+    history = trainer.run()
+    assert all(step.ratio_deviation < 1e-3 for step in history)
+    (info,) = trainer.llm.list_loras()
+    assert (info.name, info.version) == ("grpo-policy", 2)  # the first sync, then one per step
+    # A trainer's update that moves the adapter well off the base (a few quick steps may have
+    # all-equal rewards, hence no gradient): the engine's rollouts follow it.
+    with torch.no_grad():
+        for name, param in trainer.policy.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.05)
+    trainer._sync_weights()
+    prompts = [trainer._encode("What is 2 + 3?")]
+    rollouts = forklift_rollouts(trainer.llm, prompts, 4, 1.0, 6, seed=5, lora_request=trainer.lora)
+    base_rollouts = forklift_rollouts(trainer.llm, prompts, 4, 1.0, 6, seed=5)
+    with torch.no_grad():
+        new, mask = completion_logprobs(trainer.policy, rollouts, 1.0)
+    engine = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(r.logprobs) for r in rollouts], batch_first=True
+    )
+    assert ((new - engine).abs() * mask).max() < 1e-3
+    assert [r.logprobs for r in rollouts] != [r.logprobs for r in base_rollouts]
+    base = [p for n, p in trainer.policy.named_parameters() if "lora_" not in n]
+    assert not any(p.requires_grad for p in base)
+    with pytest.raises(ValueError, match="forklift rollouts only"):
+        GRPOConfig(lora_rank=4, rollout="hf").validate()

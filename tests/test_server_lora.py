@@ -67,6 +67,10 @@ def test_model_picks_the_adapter_streamed_and_not(setup):
     assert models["first"].model_extra["parent"] == "tiny"
     with pytest.raises(openai.NotFoundError, match="first"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=1)
+    status = httpx.get(f"{url}/status.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    lora = status["snapshot"]["config"]["lora"]
+    assert lora["max_loras"] == 2 and "first" in lora["slots"]
+    assert [a["name"] for a in lora["adapters"]] == ["first"]
 
 
 def test_load_update_and_unload_at_run_time(setup):

@@ -3,7 +3,8 @@
 One engine with adapter slots serves every case, so the only difference between rows is
 which adapter each request runs: the base alone, one adapter for every row, or four adapters
 mixed across the batch (ranks 8, 16 and 64). Adapters are random PEFT directories written
-for the model's shapes (every projection adapted: the costliest, common case). Cases are
+for the model's shapes, adapting every projection (the costliest case, common for quality)
+or only q and v (PEFT's default for Llama models). Cases are
 measured in interleaved rounds and the median kept, so the machine's drift spreads over all
 of them; the table gives each case's step time over the base's at the same batch size.
 """
@@ -45,6 +46,8 @@ class LoRABenchSettings:
     model: str | None = None
     batch_sizes: tuple[int, ...] = (1, 8, 16)
     ranks: tuple[int, ...] = (8, 16, 64)
+    # Four adapters of this rank adapting q and v only (0: not measured).
+    qv_rank: int = 16
     context: int = 128
     timed_steps: int = 8
     rounds: int = 3
@@ -55,19 +58,32 @@ class LoRABenchSettings:
 
     @classmethod
     def quick(cls, **overrides: Any) -> LoRABenchSettings:
-        return cls(**{"batch_sizes": (1, 4), "ranks": (8,), "context": 32, "timed_steps": 3,
+        return cls(**{"batch_sizes": (1, 4), "ranks": (8,), "qv_rank": 8, "context": 32,
+                      "timed_steps": 3,
                       "rounds": 1, "serve_requests": 4, "serve_concurrency": 2,
                       "serve_tokens": 8, **overrides})  # fmt: skip
 
 
-def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> Path:
-    """A PEFT adapter directory adapting every projection, with weights of the size a
-    trained adapter has (its output moves by a few percent)."""
+ALL_TARGETS = tuple(_OWNERS)
+QV_TARGETS = ("q_proj", "v_proj")
+
+
+def write_random_adapter(
+    directory: Path,
+    config: ModelConfig,
+    rank: int,
+    seed: int,
+    targets: tuple[str, ...] = ALL_TARGETS,
+) -> Path:
+    """A PEFT adapter directory adapting `targets`, with weights of the size a trained
+    adapter has (its output moves by a few percent)."""
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    shapes = target_shapes(config)
     for layer in range(config.num_layers):
-        for module, (fan_in, fan_out) in target_shapes(config).items():
+        for module in targets:
+            fan_in, fan_out = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{_OWNERS[module]}.{module}"
             a = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
             b = torch.randn(fan_out, rank, generator=generator) * 0.02
@@ -75,7 +91,7 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: 
             tensors[f"{prefix}.lora_B.weight"] = b
     save_file(tensors, str(directory / WEIGHTS_FILE))
     config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                   "target_modules": list(_OWNERS), "bias": "none"}  # fmt: skip
+                   "target_modules": list(targets), "bias": "none"}  # fmt: skip
     (directory / CONFIG_FILE).write_text(json.dumps(config_json))
     return directory
 
@@ -88,11 +104,13 @@ class StepPoint:
     over_base: float = 0.0
 
 
-def _cases(adapters: dict[int, list[LoRARequest]]) -> dict[str, list[LoRARequest | None]]:
+def _cases(adapters: dict[str, list[LoRARequest]]) -> dict[str, list[LoRARequest | None]]:
+    """Each case's adapters, request i running entry i % len (None: the base)."""
     cases: dict[str, list[LoRARequest | None]] = {"base": [None]}
-    for rank, loras in adapters.items():
-        cases[f"1 adapter r{rank}"] = [loras[0]]
-        cases[f"4 adapters r{rank}"] = list(loras)
+    for kind, loras in adapters.items():
+        if kind.endswith("all"):
+            cases[f"1 adapter {kind}"] = [loras[0]]
+        cases[f"4 adapters {kind}"] = list(loras)
     return cases
 
 
@@ -113,18 +131,23 @@ def _serve_rate(llm: LLM, settings: LoRABenchSettings, loras: list[LoRARequest |
 def run_lora_bench(settings: LoRABenchSettings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="forklift-lora-bench-") as scratch:
         llm = LLM(settings.model, enable_lora=True, max_loras=4,
-                  max_lora_rank=max(settings.ranks), max_cpu_loras=4 * len(settings.ranks),
+                  max_lora_rank=max(*settings.ranks, settings.qv_rank),
+                  max_cpu_loras=4 * (len(settings.ranks) + 1),
                   max_num_seqs=max(*settings.batch_sizes, settings.serve_concurrency),
                   max_model_len=settings.context + settings.serve_tokens + 64)  # fmt: skip
         engine = llm.llm_engine
         config = engine.model_config
-        adapters: dict[int, list[LoRARequest]] = {}
+        kinds = [(f"r{rank} all", rank, ALL_TARGETS) for rank in settings.ranks]
+        if settings.qv_rank:
+            kinds.append((f"r{settings.qv_rank} q,v", settings.qv_rank, QV_TARGETS))
+        adapters: dict[str, list[LoRARequest]] = {}
         next_id = 1
-        for rank in settings.ranks:
-            adapters[rank] = []
+        for kind, rank, targets in kinds:
+            adapters[kind] = []
             for i in range(4):
-                path = write_random_adapter(Path(scratch) / f"r{rank}-{i}", config, rank, next_id)
-                adapters[rank].append(LoRARequest(f"r{rank}-{i}", next_id, str(path)))
+                name = f"{kind.replace(' ', '-').replace(',', '')}-{i}"
+                path = write_random_adapter(Path(scratch) / name, config, rank, next_id, targets)
+                adapters[kind].append(LoRARequest(name, next_id, str(path)))
                 next_id += 1
         cases = _cases(adapters)
         samples: dict[tuple[str, int], list[float]] = {}
@@ -140,14 +163,14 @@ def run_lora_bench(settings: LoRABenchSettings) -> dict[str, Any]:
         base = {p.batch_size: p.step_ms for p in points if p.case == "base"}
         for point in points:
             point.over_base = point.step_ms / base[point.batch_size]
-        serve_rank = 16 if 16 in adapters else settings.ranks[0]
+        serve_kind = "r16 all" if "r16 all" in adapters else next(iter(adapters))
         llm.llm_engine.scheduler.max_num_seqs = settings.serve_concurrency
-        mixed: list[LoRARequest | None] = list(adapters[serve_rank])
+        mixed: list[LoRARequest | None] = list(adapters[serve_kind])
         serve_base = [_serve_rate(llm, settings, [None]) for _ in range(settings.rounds)]
         serve_mixed = [_serve_rate(llm, settings, mixed) for _ in range(settings.rounds)]
     serve = {
         "concurrency": settings.serve_concurrency,
-        "rank": serve_rank,
+        "adapters": serve_kind,
         "base_tokens_per_s": statistics.median(serve_base),
         "mixed_tokens_per_s": statistics.median(serve_mixed),
     }
@@ -170,7 +193,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# LoRA adapters: decode step and serving cost",
         "",
         f"Model `{report['model']}`, {report['threads']} threads, decode path "
-        f"{report['decode_path']}; every projection adapted; prompts of "
+        f"{report['decode_path']}; adapters on every projection (all) or q and v; prompts of "
         f"{settings['context']} tokens; median of {settings['rounds']} interleaved rounds of "
         f"{settings['timed_steps']} steps.",
         "",
@@ -186,7 +209,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Serving (offline, {settings['serve_requests']} requests at concurrency "
         f"{serve['concurrency']}, {settings['serve_tokens']} output tokens each): base "
-        f"{serve['base_tokens_per_s']:.1f} output tok/s, four rank-{serve['rank']} adapters "
+        f"{serve['base_tokens_per_s']:.1f} output tok/s, four {serve['adapters']} adapters "
         f"round-robin {serve['mixed_tokens_per_s']:.1f} tok/s "
         f"({serve['mixed_over_base']:.2f}x).",
         "",

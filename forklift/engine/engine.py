@@ -246,9 +246,10 @@ class LLMEngine:
         config = self.config
         if not config.enable_lora:
             return None
-        if self.model_config.is_hybrid:
+        if self.model_config.is_hybrid or self.model_config.attention_output_gate:
             raise ValueError(
-                "enable_lora: LoRA adapters do not run hybrid (linear-attention) models yet"
+                "enable_lora: LoRA adapters do not run the Qwen3.5 family (gated attention, "
+                "linear-attention layers) yet"
             )
         if config.tensor_parallel_size > 1:
             raise ValueError(

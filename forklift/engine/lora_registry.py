@@ -53,7 +53,9 @@ class LoRARegistry:
         return max(self._by_id, default=0) + 1
 
     def by_name(self, name: str) -> LoRARequest | None:
-        return next((r for r in self._by_id.values() if r.lora_name == name), None)
+        # A snapshot of the values: the server's event loop asks while the engine thread
+        # may be adding or removing an adapter.
+        return next((r for r in tuple(self._by_id.values()) if r.lora_name == name), None)
 
     def resolve(self, adapter: str | int) -> LoRARequest:
         found = self._by_id.get(adapter) if isinstance(adapter, int) else self.by_name(adapter)
@@ -91,6 +93,6 @@ class LoRARegistry:
 
     def infos(self) -> list[LoRAInfo]:
         return [
-            LoRAInfo(r.lora_name, r.lora_int_id, r.lora_path, self._versions[r.lora_int_id])
-            for r in sorted(self._by_id.values(), key=lambda r: r.lora_int_id)
+            LoRAInfo(r.lora_name, r.lora_int_id, r.lora_path, self._versions.get(r.lora_int_id, 0))
+            for r in sorted(tuple(self._by_id.values()), key=lambda r: r.lora_int_id)
         ]

@@ -137,8 +137,25 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "prefix_caching": engine.kv_manager.enable_prefix_caching,
         "speculative": _speculation(engine),
+        "lora": _lora(engine),
         "weight_version": engine.weight_version,
         "sleep_level": engine.sleep_level,
+    }
+
+
+def _lora(engine: LLMEngine) -> dict[str, Any] | None:
+    """The adapter slots (which adapter each holds) and the adapters loaded."""
+    store, table = engine.runner.lora, engine.scheduler.lora_slots
+    if engine.loras is None or store is None or table is None:
+        return None
+    infos = engine.loras.infos()
+    names = {info.lora_int_id: info.name for info in infos}
+    return {
+        "max_loras": store.limits.max_loras,
+        "max_lora_rank": store.limits.max_lora_rank,
+        "slot_bytes": store.nbytes,
+        "slots": [None if a is None else names.get(a) for a in table.residents()],
+        "adapters": [vars(info) for info in infos],
     }
 
 

@@ -28,6 +28,12 @@ def add_grpo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--kl-coef", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="train a LoRA adapter of this rank instead of every weight (needs peft)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run (a few steps)")
 
 
@@ -36,7 +42,7 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> GRPOConfig:
 
     values = dict(QUICK) if args.quick else {}
     for name in ("model", "task", "steps", "prompts_per_step", "group_size", "max_tokens",
-                 "temperature", "learning_rate", "kl_coef", "seed"):  # fmt: skip
+                 "temperature", "learning_rate", "kl_coef", "seed", "lora_rank"):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             values[name] = value

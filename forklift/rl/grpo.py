@@ -4,12 +4,17 @@ Each step: sample `group_size` completions for each of `prompts_per_step` proble
 them with the task's exact checker, normalise rewards within each group (the advantage),
 take one AdamW step on the clipped-ratio objective (plus an optional KL term to the initial
 policy), and push the new weights into the engine with `update_weights`.
+
+With `lora_rank`, the policy is a PEFT LoRA adapter on the frozen base (every projection):
+only the adapter trains, rollouts run the engine's copy of it, and each step pushes the
+adapter's tensors alone (`update_lora`), not the model's.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ import torch
 
 from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
+from forklift.lora_request import LoRARequest
 from forklift.rl.rollouts import Rollout, forklift_rollouts, hf_rollouts
 from forklift.rl.tasks import get_task
 
@@ -40,6 +46,8 @@ class GRPOConfig:
     # The engine's share of memory; the rest is the trainer's (the seed used 0.35).
     gpu_memory_utilization: float = 0.35
     max_model_len: int = 512
+    # > 0: train a LoRA adapter of this rank (alpha = 2 x rank) instead of every weight.
+    lora_rank: int = 0
 
     def validate(self) -> None:
         if self.rollout not in ("forklift", "hf"):
@@ -51,6 +59,12 @@ class GRPOConfig:
             raise ValueError("group_size must be >= 2: advantages compare samples of a group")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int):
+            raise ValueError(f"lora_rank must be an integer, got {self.lora_rank!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")
+        if self.lora_rank and self.rollout != "forklift":
+            raise ValueError("lora_rank runs with forklift rollouts only")
 
 
 @dataclass
@@ -117,33 +131,62 @@ class GRPOTrainer:
         self.config = config
         self.task = get_task(config.task)
         torch.manual_seed(config.seed)
+        lora_settings = (
+            {"enable_lora": True, "max_lora_rank": config.lora_rank} if config.lora_rank else {}
+        )
         self.llm = llm or LLM(
             model=config.model,
             dtype="float32",
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            **lora_settings,
         )
         engine = self.llm.llm_engine
         if engine.tokenizer is None:
             raise ValueError("GRPO needs a model with a tokenizer for its prompts and checker")
         self.tokenizer = engine.tokenizer
         self.policy = load_hf_model(engine.model_source, engine.model_config, torch.float32)
+        self.lora: LoRARequest | None = None
+        if config.lora_rank:
+            self.policy, self.lora = self._attach_adapter(config.lora_rank)
         self.policy.train()
         self.reference = (
             copy.deepcopy(self.policy).eval().requires_grad_(False) if config.kl_coef else None
         )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=config.learning_rate, weight_decay=0.0
-        )
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
         # Start the engine from exactly the trainer's weights.
         self._sync_weights()
+
+    def _attach_adapter(self, rank: int) -> tuple[torch.nn.Module, LoRARequest]:
+        """The policy as base + a fresh PEFT adapter (B = 0: the base's outputs), saved and
+        registered with the engine under the name "grpo-policy"."""
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:
+            raise ValueError("lora_rank needs the peft package: pip install peft") from exc
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        adapter_config = LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0
+        )
+        policy = get_peft_model(self.policy, adapter_config)
+        self._adapter_dir = tempfile.TemporaryDirectory(prefix="forklift-grpo-lora-")
+        policy.save_pretrained(self._adapter_dir.name)
+        lora = LoRARequest("grpo-policy", 1, self._adapter_dir.name)
+        self.llm.add_lora(lora)
+        return policy, lora
 
     def _encode(self, question: str) -> list[int]:
         return self.tokenizer.encode_chat([{"role": "user", "content": question}])
 
     def _sync_weights(self) -> float:
         start = time.perf_counter()
-        if self.config.rollout == "forklift":
+        if self.lora is not None:
+            from peft import get_peft_model_state_dict
+
+            tensors = get_peft_model_state_dict(self.policy)
+            self.llm.update_lora(self.lora.lora_name, {k: v.detach() for k, v in tensors.items()})
+        elif self.config.rollout == "forklift":
             self.llm.update_weights(
                 (name, tensor.detach()) for name, tensor in self.policy.state_dict().items()
             )
@@ -157,7 +200,7 @@ class GRPOTrainer:
         seed = cfg.seed * 1_000_003 + index * 1_009
         if cfg.rollout == "forklift":
             rollouts = forklift_rollouts(
-                self.llm, prompts, cfg.group_size, cfg.temperature, cfg.max_tokens, seed
+                self.llm, prompts, cfg.group_size, cfg.temperature, cfg.max_tokens, seed, self.lora
             )
         else:
             self.policy.eval()
@@ -214,7 +257,9 @@ class GRPOTrainer:
             loss.backward()
             loss_sum += loss.item()
             deviation_sum += ((ratio.detach() - 1).abs() * mask).sum().item()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in self.policy.parameters() if p.requires_grad], 1.0
+        )
         self.optimizer.step()
         return loss_sum, deviation_sum / total_tokens
 

@@ -13,6 +13,7 @@ import torch
 
 from forklift.hf_reference import left_padded
 from forklift.llm import LLM
+from forklift.lora_request import LoRARequest
 from forklift.sampling_params import SamplingParams
 
 
@@ -33,15 +34,20 @@ def forklift_rollouts(
     temperature: float,
     max_tokens: int,
     seed: int,
+    lora_request: LoRARequest | None = None,
 ) -> list[Rollout]:
-    """`n` samples per prompt; each group's prompt blocks are computed once and shared."""
+    """`n` samples per prompt (with `lora_request`'s adapter, if any); each group's prompt
+    blocks are computed once and shared."""
     params = [
         SamplingParams(
             n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed + i
         )
         for i in range(len(prompts))
     ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+        lora_request=lora_request,
+    )  # fmt: skip
     rollouts = []
     for group, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         for sample in output.outputs:

@@ -46,17 +46,6 @@ _PROJECTIONS = (
 )
 
 
-def lora_slot_bytes(config: ModelConfig, limits: LoRALimits) -> int:
-    """Bytes the device slots take (float32), for the memory plan."""
-    shapes = target_shapes(config)
-    per_layer = 0
-    for _, _, modules in _PROJECTIONS:
-        fan_in = shapes[modules[0]][0]
-        fan_out = sum(shapes[m][1] for m in modules)
-        per_layer += len(modules) * limits.max_lora_rank * fan_in + fan_out * limits.max_lora_rank
-    return 4 * limits.max_loras * per_layer * config.num_layers
-
-
 class LoRAStore:
     def __init__(
         self, model: nn.Module, config: ModelConfig, limits: LoRALimits, device: torch.device
@@ -78,7 +67,6 @@ class LoRAStore:
         self._requests: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._pinned: dict[int, LoRAAdapter] = {}
-        self._in_slot: list[int | None] = [None] * limits.max_loras
 
     def attach(self, model: nn.Module) -> None:
         """Give each LoRA'd projection of `model` its slots."""
@@ -134,7 +122,6 @@ class LoRAStore:
                 for module in modules:
                     part = adapter.modules.get((layer, module))
                     slots.write(slot, FUSED_SLICES[module][1], part)
-            self._in_slot[slot] = adapter_id
 
     def _adapter(self, adapter_id: int) -> LoRAAdapter:
         pinned = self._pinned.get(adapter_id)
@@ -176,10 +163,3 @@ class LoRAStore:
 
     def end_step(self) -> None:
         self.context.rows = None
-
-    def residents(self) -> list[str | None]:
-        """The adapter name in each slot (for /status and logs)."""
-        return [
-            None if a is None or a not in self._requests else self._requests[a].lora_name
-            for a in self._in_slot
-        ]

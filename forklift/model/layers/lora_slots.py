@@ -1,8 +1,9 @@
 """LoRA slots of one projection: every resident adapter's A and B, and the per-row delta.
 
 A projection fusing several target modules (q, k and v in qkv_proj) holds each module as a
-slice: A stacks the slices' ranks, B keeps each output row's own slice of ranks only (an
-output belongs to exactly one slice), so no zero blocks are stored or read. Weights are
+slice: A stacks the slices' ranks, B ([rank, out], rank-major so the native expansion runs
+along contiguous outputs) keeps each output's own slice of ranks only (an output belongs to
+exactly one slice), so no zero blocks are stored or read. Weights are
 float32 whatever the model's dtype: they are small, and the native step reads them as such.
 
 Which slot each row of a step uses is set once per step on the `LoRAContext` every slot
@@ -55,7 +56,7 @@ class LoRASlots:
         out_features = self.slice_starts[-1]
         slices = len(slice_sizes)
         self.a = torch.zeros(num_slots, slices * max_rank, in_features, device=device)
-        self.b = torch.zeros(num_slots, out_features, max_rank, device=device)
+        self.b = torch.zeros(num_slots, max_rank, out_features, device=device)
         # [slot, slice] rank of the adapter there (0: that slice is not adapted).
         self.ranks = torch.zeros(num_slots, slices, dtype=torch.int64)
         self._ranks: list[list[int]] = [[0] * slices for _ in range(num_slots)]
@@ -70,10 +71,10 @@ class LoRASlots:
         rows = slice(slice_index * self.max_rank, (slice_index + 1) * self.max_rank)
         outs = slice(self.slice_starts[slice_index], self.slice_starts[slice_index + 1])
         self.a[slot, rows].zero_()
-        self.b[slot, outs].zero_()
+        self.b[slot, :, outs].zero_()
         if module is not None:
             self.a[slot, rows][:rank].copy_(module.a)
-            self.b[slot, outs, :rank].copy_(module.b)
+            self.b[slot, :rank, outs].copy_(module.b.T)
         self.ranks[slot, slice_index] = rank
         self._ranks[slot][slice_index] = rank
 
@@ -98,7 +99,7 @@ class LoRASlots:
     def _expand(self, slot: int, shrunk: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         """[rows, out] from the shrunk rows: each slice's outputs from its own ranks."""
         if len(ranks) == 1:
-            return F.linear(shrunk[:, : ranks[0]], self.b[slot, :, : ranks[0]])
+            return shrunk[:, : ranks[0]] @ self.b[slot, : ranks[0]]
         parts = []
         for i, rank in enumerate(ranks):
             width = self.slice_sizes[i]
@@ -107,5 +108,5 @@ class LoRASlots:
                 continue
             start = i * self.max_rank
             outs = slice(self.slice_starts[i], self.slice_starts[i + 1])
-            parts.append(F.linear(shrunk[:, start : start + rank], self.b[slot, outs, :rank]))
+            parts.append(shrunk[:, start : start + rank] @ self.b[slot, :rank, outs])
         return torch.cat(parts, dim=1)

@@ -22,7 +22,7 @@
 /* One projection's LoRA slots (forklift/model/layers/lora_slots.py); a == NULL: none. */
 typedef struct {
     const float *a;             /* [slots, slices * max_rank, in] */
-    const float *b;             /* [slots, out, max_rank]: each output's own slice's ranks */
+    const float *b;             /* [slots, max_rank, out]: each output's own slice's ranks */
     const int64_t *ranks;       /* [slots, slices]: 0 where a slice is not adapted */
     const int64_t *slice_starts; /* [slices + 1] output offsets */
     int64_t slices, max_rank;
@@ -153,34 +153,52 @@ static inline float vector_dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* Outputs per task of a LoRA expansion: a few cache lines of each B row. */
+#define LORA_OUTPUT_CHUNK 128
+
 /* y[r] += x[r] @ A_s.T @ B_s.T for each row r whose adapter slot s = row_lora[r] >= 0, slice
- * by slice (an output reads only its own slice's ranks). Parallel over (row, slice, rank)
- * for the shrink and over outputs for the expansion. */
+ * by slice (an output reads only its own slice's ranks). The shrink is a dot product per
+ * (row, rank); the expansion runs along B's rows ([rank, out] per slot), so its inner loop
+ * is a plain multiply-add over contiguous outputs. One parallel region: shrink, barrier,
+ * expansion in chunks of outputs. */
 static void lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t out,
                      int64_t rows, const int64_t *row_lora, float *y, int num_threads) {
     if (lora->a == NULL || row_lora == NULL) return;
     const int64_t slices = lora->slices, max_rank = lora->max_rank, width = slices * max_rank;
+    const int64_t *ranks = lora->ranks, *starts = lora->slice_starts;
     float shrunk[rows * width];
     const int64_t tasks = rows * width;
-#pragma omp parallel for num_threads(num_threads) if (tasks * in > 65536)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t r = task / width, column = task % width;
-        const int64_t slot = row_lora[r], slice = column / max_rank;
-        shrunk[task] = 0.0f;
-        if (slot < 0 || column % max_rank >= lora->ranks[slot * slices + slice]) continue;
-        shrunk[task] = vector_dot(lora->a + (slot * width + column) * in, x + r * in, in);
-    }
-#pragma omp parallel for num_threads(num_threads) if (rows * out * max_rank > 65536)
-    for (int64_t o = 0; o < out; o++) {
-        int64_t i = 0;
-        while (o >= lora->slice_starts[i + 1]) i++;
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t slot = row_lora[r];
-            if (slot < 0) continue;
-            const int64_t rank = lora->ranks[slot * slices + i];
-            if (rank > 0)
-                y[r * out + o] += vector_dot(lora->b + (slot * out + o) * max_rank,
-                                      shrunk + r * width + i * max_rank, rank);
+    const int64_t chunks = (out + LORA_OUTPUT_CHUNK - 1) / LORA_OUTPUT_CHUNK;
+#pragma omp parallel num_threads(num_threads) if (rows * (in + out) * max_rank > 32768)
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t r = task / width, column = task % width;
+            const int64_t slot = row_lora[r], slice = column / max_rank;
+            shrunk[task] = 0.0f;
+            if (slot >= 0 && column % max_rank < ranks[slot * slices + slice])
+                shrunk[task] = vector_dot(lora->a + (slot * width + column) * in, x + r * in, in);
+        }
+#pragma omp for schedule(static)
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int64_t first = chunk * LORA_OUTPUT_CHUNK;
+            const int64_t last = first + LORA_OUTPUT_CHUNK < out ? first + LORA_OUTPUT_CHUNK : out;
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t slot = row_lora[r];
+                if (slot < 0) continue;
+                float *row = y + r * out;
+                for (int64_t i = 0; i < slices; i++) {
+                    const int64_t from = first > starts[i] ? first : starts[i];
+                    const int64_t to = last < starts[i + 1] ? last : starts[i + 1];
+                    const int64_t rank = ranks[slot * slices + i];
+                    const float *t = shrunk + r * width + i * max_rank;
+                    for (int64_t j = 0; j < rank && from < to; j++) {
+                        const float *b = lora->b + (slot * max_rank + j) * out;
+                        const float tj = t[j];
+                        for (int64_t o = from; o < to; o++) row[o] += tj * b[o];
+                    }
+                }
+            }
         }
     }
 }
