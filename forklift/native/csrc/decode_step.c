@@ -89,15 +89,15 @@ static void rms_norm(const float *x, const void *weight, int64_t n, float eps, i
         out[i] = x[i] * inverse * (offset + load_value(weight, i, is_bf16));
 }
 
-/* sigmoid(z), sixteen lanes, with exp taken of -|z| only (no overflow):
+/* sigmoid(z), LANES lanes, with exp taken of -|z| only (no overflow):
  * 1 / (1 + e) for z >= 0, e / (1 + e) below, e = exp(-|z|). */
-static inline float16_vector sigmoid16(float16_vector z) {
-    const int16_vector negative = z < 0.0f;
-    const int16_vector sign_bit = (int16_vector){0} + INT32_MIN;
-    const float16_vector e = exp_nonpositive16((float16_vector)((int16_vector)z | sign_bit));
-    const float16_vector one = e - e + 1.0f;
-    const float16_vector numerator =
-        (float16_vector)(((int16_vector)e & negative) | ((int16_vector)one & ~negative));
+static inline lane_vector sigmoid_lanes(lane_vector z) {
+    const lane_int_vector negative = z < 0.0f;
+    const lane_int_vector sign_bit = (lane_int_vector){0} + INT32_MIN;
+    const lane_vector e = exp_nonpositive_lanes((lane_vector)((lane_int_vector)z | sign_bit));
+    const lane_vector one = e - e + 1.0f;
+    const lane_vector numerator =
+        (lane_vector)(((lane_int_vector)e & negative) | ((lane_int_vector)one & ~negative));
     return numerator / (one + e);
 }
 
@@ -109,11 +109,11 @@ static inline float sigmoid1(float z) {
 /* act = silu(gate) * up = gate * sigmoid(gate) * up over n values. `act` may be `gate`. */
 static void silu_mul(const float *gate, const float *up, int64_t n, float *act) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        float16_vector g, u;
+    for (; i + LANES <= n; i += LANES) {
+        lane_vector g, u;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&u, up + i, sizeof u);
-        const float16_vector result = g * sigmoid16(g) * u;
+        const lane_vector result = g * sigmoid_lanes(g) * u;
         memcpy(act + i, &result, sizeof result);
     }
     for (; i < n; i++) act[i] = gate[i] * sigmoid1(gate[i]) * up[i];
@@ -124,11 +124,11 @@ static void silu_mul(const float *gate, const float *up, int64_t n, float *act) 
 static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *act) {
     const float twice_c = 2.0f * 0.7978845608028654f, cubic = 0.044715f;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        float16_vector g, u;
+    for (; i + LANES <= n; i += LANES) {
+        lane_vector g, u;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&u, up + i, sizeof u);
-        const float16_vector result = g * sigmoid16(twice_c * (g + cubic * g * g * g)) * u;
+        const lane_vector result = g * sigmoid_lanes(twice_c * (g + cubic * g * g * g)) * u;
         memcpy(act + i, &result, sizeof result);
     }
     for (; i < n; i++) {
