@@ -38,6 +38,10 @@ _DTYPES = {
 }
 
 
+# vLLM's largest LoRA rank; the native step keeps a step's adapter sums on the stack.
+MAX_LORA_RANK = 512
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine. Unknown names are rejected by `from_kwargs`."""
@@ -183,6 +187,10 @@ class EngineConfig:
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}"
+            )
         _positive("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(

@@ -232,3 +232,22 @@ def test_ids_and_names_must_agree(tiny_with_adapters):
     assert [i.name for i in llm.list_loras()] == ["one"]
     assert llm.remove_lora("one").lora_int_id == 1
     assert llm.list_loras() == []
+
+
+def test_an_id_reused_after_removal_never_reuses_the_old_adapters_cached_blocks(
+    tiny_with_adapters,
+):
+    tiny, adapters = tiny_with_adapters
+    llm = _engine(tiny.path)
+    first = LoRARequest("first", 1, str(adapters[0].path))
+    assert (
+        _greedy(llm, [PROMPTS[2]], [first])[0][0]
+        == hf_greedy(adapters[0].hf_model, PROMPTS[2], NEW_TOKENS)[0]
+    )
+    llm.remove_lora("first")
+    second = LoRARequest("second", 1, str(adapters[1].path))  # the same id, other weights
+    assert (
+        _greedy(llm, [PROMPTS[2]], [second])[0][0]
+        == hf_greedy(adapters[1].hf_model, PROMPTS[2], NEW_TOKENS)[0]
+    )
+    assert llm.llm_engine.prefix_cache_stats().hit_tokens == 0

@@ -96,7 +96,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.scheduled and self._pending_state_copies:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
-        if self.lora_slots is not None:
+        if out.scheduled and self.lora_slots is not None:
+            # Kept for a step that runs: an empty step never reaches the runner.
             out.lora_loads = self.lora_slots.take_loads()
         return out
 

@@ -30,6 +30,12 @@ class LoRARegistry:
         self._users = users  # unfinished sequences running an adapter id
         self._by_id: dict[int, LoRARequest] = {}
         self._versions: dict[int, int] = {}
+        # Each registration and each weight push gets a new generation: the prefix cache
+        # keys on it, so blocks never pass between two adapters that had the same id (one
+        # removed, another added) nor across an update.
+        self._generations: dict[int, int] = {}
+        self._next_generation = 0
+        self._next_id = 1
 
     def add(self, request: LoRARequest) -> int:
         """Register (or find) an adapter; a bad one raises ValueError and registers nothing.
@@ -46,11 +52,17 @@ class LoRARegistry:
         self.store.register(request)  # reads, checks; raises on a conflicting id
         self._by_id[request.lora_int_id] = request
         self._versions.setdefault(request.lora_int_id, 0)
+        self._new_generation(request.lora_int_id)
+        self._next_id = max(self._next_id, request.lora_int_id + 1)
         return request.lora_int_id
 
+    def _new_generation(self, adapter_id: int) -> None:
+        self._generations[adapter_id] = self._next_generation
+        self._next_generation += 1
+
     def next_id(self) -> int:
-        """An id no loaded adapter has (for adapters loaded by name and path only)."""
-        return max(self._by_id, default=0) + 1
+        """An id no adapter of this engine has had (for adapters loaded by name and path)."""
+        return self._next_id
 
     def by_name(self, name: str) -> LoRARequest | None:
         # A snapshot of the values: the server's event loop asks while the engine thread
@@ -75,6 +87,7 @@ class LoRARegistry:
         self.store.forget(adapter_id)
         del self._by_id[adapter_id]
         self._versions.pop(adapter_id, None)
+        self._generations.pop(adapter_id, None)
         return request
 
     def update(self, adapter: str | int, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -85,11 +98,12 @@ class LoRARegistry:
         self.store.update(adapter_id, tensors)
         self.slots.reload(adapter_id)
         self._versions[adapter_id] += 1
+        self._new_generation(adapter_id)
         return self._versions[adapter_id]
 
     def cache_key_part(self, adapter_id: int) -> tuple[int, int]:
-        """Cached blocks are reused only by requests of the same adapter and version."""
-        return adapter_id, self._versions.get(adapter_id, 0)
+        """Cached blocks are reused only by requests of the same adapter's same weights."""
+        return adapter_id, self._generations[adapter_id]
 
     def infos(self) -> list[LoRAInfo]:
         return [

@@ -120,7 +120,12 @@ def read_scaling(path: Path) -> LoRAScaling:
         if refused:
             raise ValueError(f"LoRA adapter {str(path)!r}: {key}={config[key]!r}: {why}")
     alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
         raise ValueError(f"LoRA adapter {str(path)!r}: lora_alpha must be positive, got {alpha!r}")
     return LoRAScaling(float(alpha), bool(config.get("use_rslora", False)))
 
@@ -197,6 +202,8 @@ def build_adapter(
                 f"model's [{fan_out}, {fan_in}] projection (an adapter of another base?)"
             )
         rank = a.shape[0]
+        if rank < 1:
+            raise ValueError(f"{where}: rank 0 (empty lora_A / lora_B)")
         if rank > max_rank:
             raise ValueError(f"{where}: rank {rank} is above max_lora_rank ({max_rank})")
         a32 = a.detach().to(torch.float32).contiguous()
