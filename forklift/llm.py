@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -16,6 +16,7 @@ from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
 
+T = TypeVar("T")
 Conversation = list[dict[str, Any]]
 
 
@@ -162,12 +163,7 @@ def _as_lora_list(
 ) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count
-    loras = list(lora_request)
-    if len(loras) != count:
-        raise ValueError(
-            f"lora_request has {len(loras)} entries for {count} prompts; give one per prompt"
-        )
-    return loras
+    return _one_per_prompt(lora_request, count, "lora_request")
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -189,12 +185,17 @@ def _as_params_list(
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
-    params = list(params)
-    if len(params) != count:
+    return _one_per_prompt(params, count, "sampling_params")
+
+
+def _one_per_prompt(values: Sequence[T], count: int, name: str) -> list[T]:
+    """A per-prompt list of `count` entries, or a ValueError naming the field."""
+    values = list(values)
+    if len(values) != count:
         raise ValueError(
-            f"got {len(params)} sampling_params for {count} prompts; give one or one per prompt"
+            f"got {len(values)} {name} for {count} prompts; give one or one per prompt"
         )
-    return params
+    return values
 
 
 def _as_conversation_list(

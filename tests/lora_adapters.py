@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from forklift.model.lora import TARGET_OWNERS
+
+ALL_TARGETS = tuple(TARGET_OWNERS)
 
 
 @dataclass

@@ -27,18 +27,12 @@ from forklift.bench.decode import time_pure_decode
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
 from forklift.lora_request import LoRARequest
-from forklift.model.lora import CONFIG_FILE, WEIGHTS_FILE, target_shapes
+from forklift.model.lora import CONFIG_FILE, TARGET_OWNERS, WEIGHTS_FILE, target_shapes
 from forklift.model.model_config import ModelConfig
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-# Module -> the attribute holding it in a decoder layer, as PEFT names its weights.
-_OWNERS = {
-    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), "self_attn"),
-    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "mlp"),
-}
 
 
 @dataclass
@@ -59,12 +53,11 @@ class LoRABenchSettings:
     @classmethod
     def quick(cls, **overrides: Any) -> LoRABenchSettings:
         return cls(**{"batch_sizes": (1, 4), "ranks": (8,), "qv_rank": 8, "context": 32,
-                      "timed_steps": 3,
-                      "rounds": 1, "serve_requests": 4, "serve_concurrency": 2,
-                      "serve_tokens": 8, **overrides})  # fmt: skip
+                      "timed_steps": 3, "rounds": 1, "serve_requests": 4,
+                      "serve_concurrency": 2, "serve_tokens": 8, **overrides})  # fmt: skip
 
 
-ALL_TARGETS = tuple(_OWNERS)
+ALL_TARGETS = tuple(TARGET_OWNERS)
 QV_TARGETS = ("q_proj", "v_proj")
 
 
@@ -84,7 +77,7 @@ def write_random_adapter(
     for layer in range(config.num_layers):
         for module in targets:
             fan_in, fan_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{_OWNERS[module]}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{TARGET_OWNERS[module]}.{module}"
             a = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
             b = torch.randn(fan_out, rank, generator=generator) * 0.02
             tensors[f"{prefix}.lora_A.weight"] = a

@@ -41,15 +41,21 @@ class LoRARegistry:
         """Register (or find) an adapter; a bad one raises ValueError and registers nothing.
         Returns its id."""
         known = self._by_id.get(request.lora_int_id)
-        if known is not None and known == request:
+        if known == request:
             return request.lora_int_id
+        if known is not None:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} already names adapter "
+                f"{known.lora_name!r} ({known.lora_path!r}), not {request.lora_name!r} "
+                f"({request.lora_path!r})"
+            )
         named = self.by_name(request.lora_name)
         if named is not None and named.lora_int_id != request.lora_int_id:
             raise ValueError(
                 f"lora_name {request.lora_name!r} is already loaded with lora_int_id "
                 f"{named.lora_int_id}"
             )
-        self.store.register(request)  # reads, checks; raises on a conflicting id
+        self.store.register(request)  # reads and checks it
         self._by_id[request.lora_int_id] = request
         self._versions.setdefault(request.lora_int_id, 0)
         self._new_generation(request.lora_int_id)

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -25,16 +26,18 @@ from forklift.model.model_config import ModelConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-# A target module -> the fused projection holding it and its slice there.
-FUSED_SLICES: Mapping[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+# Each fused projection of a decoder layer: the module holding it, its name, and the target
+# modules it fuses in slice order (q, k, v are slices 0, 1, 2 of qkv_proj).
+PROJECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", "o_proj", ("o_proj",)),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp", "down_proj", ("down_proj",)),
+)
+# Every target module, and the layer module holding it (as PEFT names its weights).
+TARGET_OWNERS: Mapping[str, str] = MappingProxyType(
+    {module: owner for owner, _, modules in PROJECTIONS for module in modules}
+)
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$"
 )
@@ -169,10 +172,10 @@ def build_adapter(
                 "decoder layer's projection"
             )
         layer, module, side = int(match.group(1)), match.group(3), match.group(4)
-        if module not in FUSED_SLICES:
+        if module not in TARGET_OWNERS:
             raise ValueError(
                 f"LoRA adapter {name!r}: unknown target module {module!r} (forklift adapts "
-                f"{', '.join(FUSED_SLICES)})"
+                f"{', '.join(TARGET_OWNERS)})"
             )
         if layer >= config.num_layers:
             raise ValueError(

@@ -24,6 +24,7 @@ import torch
 from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
 from forklift.lora_request import LoRARequest
+from forklift.model.lora import TARGET_OWNERS
 from forklift.rl.rollouts import Rollout, forklift_rollouts, hf_rollouts
 from forklift.rl.tasks import get_task
 
@@ -165,9 +166,8 @@ class GRPOTrainer:
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:
             raise ValueError("lora_rank needs the peft package: pip install peft") from exc
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter_config = LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0
+            r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_OWNERS), lora_dropout=0.0
         )
         policy = get_peft_model(self.policy, adapter_config)
         self._adapter_dir = tempfile.TemporaryDirectory(prefix="forklift-grpo-lora-")

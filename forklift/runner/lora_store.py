@@ -20,13 +20,7 @@ from torch import nn
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.lora_request import LoRARequest
 from forklift.model.layers.lora_slots import LoRAContext, LoRASlots, LoRAStepRows
-from forklift.model.lora import (
-    FUSED_SLICES,
-    LoRAAdapter,
-    build_adapter,
-    load_adapter,
-    target_shapes,
-)
+from forklift.model.lora import PROJECTIONS, LoRAAdapter, build_adapter, load_adapter, target_shapes
 from forklift.model.model_config import ModelConfig
 
 
@@ -35,15 +29,6 @@ class LoRALimits:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
-
-
-# The fused projections' (attribute path, target modules in slice order).
-_PROJECTIONS = (
-    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-    ("self_attn", "o_proj", ("o_proj",)),
-    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
-    ("mlp", "down_proj", ("down_proj",)),
-)
 
 
 class LoRAStore:
@@ -58,7 +43,7 @@ class LoRAStore:
         # (layer, projection) -> its slots.
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for index in range(config.num_layers):
-            for _, name, modules in _PROJECTIONS:
+            for _, name, modules in PROJECTIONS:
                 self.slots[(index, name)] = LoRASlots(
                     self.context, limits.max_loras, shapes[modules[0]][0],
                     tuple(shapes[m][1] for m in modules), limits.max_lora_rank, device,
@@ -71,7 +56,7 @@ class LoRAStore:
     def attach(self, model: nn.Module) -> None:
         """Give each LoRA'd projection of `model` its slots."""
         for index, layer in enumerate(model.layers):
-            for owner, name, _ in _PROJECTIONS:
+            for owner, name, _ in PROJECTIONS:
                 getattr(getattr(layer, owner), name).lora = self.slots[(index, name)]
 
     @property
@@ -79,16 +64,7 @@ class LoRAStore:
         return sum(s.nbytes for s in self.slots.values())
 
     def register(self, request: LoRARequest) -> None:
-        """Know an adapter by its id, reading and checking it now (ValueError if bad)."""
-        known = self._requests.get(request.lora_int_id)
-        if known is not None:
-            if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
-                raise ValueError(
-                    f"lora_int_id {request.lora_int_id} already names adapter "
-                    f"{known.lora_name!r} ({known.lora_path!r}), not {request.lora_name!r} "
-                    f"({request.lora_path!r})"
-                )
-            return
+        """Know a new adapter by its id, reading and checking it now (ValueError if bad)."""
         adapter = load_adapter(
             request.lora_path, self.config, self.limits.max_lora_rank, request.lora_name
         )
@@ -117,11 +93,11 @@ class LoRAStore:
         """Write each (slot, adapter id) into every projection's slots."""
         for slot, adapter_id in loads:
             adapter = self._adapter(adapter_id)
-            for (layer, name), slots in self.slots.items():
-                modules = next(m for _, n, m in _PROJECTIONS if n == name)
-                for module in modules:
-                    part = adapter.modules.get((layer, module))
-                    slots.write(slot, FUSED_SLICES[module][1], part)
+            for layer in range(self.config.num_layers):
+                for _, name, modules in PROJECTIONS:
+                    for index, module in enumerate(modules):
+                        part = adapter.modules.get((layer, module))
+                        self.slots[(layer, name)].write(slot, index, part)
 
     def _adapter(self, adapter_id: int) -> LoRAAdapter:
         pinned = self._pinned.get(adapter_id)
@@ -144,12 +120,13 @@ class LoRAStore:
         while len(self._host) > self.limits.max_cpu_loras:
             self._host.popitem(last=False)
 
-    def begin_step(self, rows: Sequence[ScheduledChunk]) -> LoRAStepRows | None:
-        """Set which slot each token row of the step uses (None: every row is the base's)."""
+    def begin_step(self, rows: Sequence[ScheduledChunk]) -> None:
+        """Set which slot each token row of the step uses (none when every row is the
+        base's)."""
         slots = [row.lora_slot for row in rows]
         if all(slot < 0 for slot in slots):
             self.context.rows = None
-            return None
+            return
         counts = [row.num_new_tokens for row in rows]
         token_slots = np.repeat(np.asarray(slots, dtype=np.int64), counts)
         groups: list[tuple[int, torch.Tensor | None]] = []
@@ -157,9 +134,7 @@ class LoRAStore:
             where = np.flatnonzero(token_slots == slot)
             index = None if where.size == token_slots.size else torch.from_numpy(where)
             groups.append((slot, None if index is None else index.to(self.device)))
-        step = LoRAStepRows(torch.from_numpy(token_slots).to(self.device), groups)
-        self.context.rows = step
-        return step
+        self.context.rows = LoRAStepRows(torch.from_numpy(token_slots).to(self.device), groups)
 
     def end_step(self) -> None:
         self.context.rows = None

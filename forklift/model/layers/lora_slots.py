@@ -59,6 +59,8 @@ class LoRASlots:
         self.b = torch.zeros(num_slots, max_rank, out_features, device=device)
         # [slot, slice] rank of the adapter there (0: that slice is not adapted).
         self.ranks = torch.zeros(num_slots, slices, dtype=torch.int64)
+        # The same ranks as Python ints: each projection of each step reads them, and a
+        # tensor read there would cost more than the delta of a decode row.
         self._ranks: list[list[int]] = [[0] * slices for _ in range(num_slots)]
 
     @property

@@ -137,29 +137,6 @@ static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *
     }
 }
 
-/* The dot product of two rows of n floats, eight lanes at a time in two accumulators
- * (vectors of a width every x86-64-v3 CPU holds in one register: GCC lowers wider generic
- * vectors through memory there, at a tenth of the speed). */
-typedef float float8_vector __attribute__((vector_size(32)));
-
-static inline float vector_dot(const float *a, const float *b, int64_t n) {
-    float8_vector even = {0}, odd = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        float8_vector a0, a1, b0, b1;
-        memcpy(&a0, a + i, sizeof a0);
-        memcpy(&a1, a + i + 8, sizeof a1);
-        memcpy(&b0, b + i, sizeof b0);
-        memcpy(&b1, b + i + 8, sizeof b1);
-        even += a0 * b0;
-        odd += a1 * b1;
-    }
-    const float8_vector sum = even + odd;
-    float total = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
-}
-
 /* Outputs per task of a LoRA expansion: a few cache lines of each B row. */
 #define LORA_OUTPUT_CHUNK 128
 
