@@ -193,7 +193,7 @@ def test_gguf_metadata_fallbacks(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "message"),
-    [("gpt2", "gpt2"), ("qwen35", "qwen35.*safetensors directory")],  # the hybrid: use HF
+    [("gpt2", "gpt2"), ("qwen3next", "qwen3next.*mixture-of-experts")],
 )
 def test_gguf_unsupported_architecture(tmp_path: Path, arch: str, message: str) -> None:
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)

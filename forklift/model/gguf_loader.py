@@ -16,11 +16,13 @@ import numpy as np
 import torch
 
 from forklift.checkpoint.tensors import layer_name
-from forklift.model import gguf_blocks
+from forklift.model import gguf_blocks, gguf_hybrid
 from forklift.model.layers.quantized import Int4Groups, Int8Blocks
 from forklift.model.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
-_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", gguf_hybrid.HYBRID_ARCHITECTURE)
+# GGUF architecture -> forklift's name for it, where they differ.
+_MODEL_ARCHITECTURES = {gguf_hybrid.HYBRID_ARCHITECTURE: "qwen3_5"}
 
 # Architectures whose q/k rows the llama.cpp converter permutes for its rotary layout.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -63,7 +65,14 @@ _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 _GEMMA3_27B_LAYERS = 62
 
+_HYBRID_LAYER_TENSORS = MappingProxyType({**_LAYER_TENSORS, **gguf_hybrid.LAYER_TENSORS})
+_HYBRID_ARCHITECTURES = ("qwen3_5", gguf_hybrid.HYBRID_ARCHITECTURE)
+
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_INDEX = re.compile(r"blk\.(\d+)\.")
+_HYBRID_SPECIAL_NAME = re.compile(
+    r"blk\.(\d+)\.(" + "|".join(map(re.escape, gguf_hybrid.SPECIAL_LAYER_TENSORS)) + ")"
+)
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
@@ -106,12 +115,10 @@ def _tensor_names(reader: gguf.GGUFReader) -> set[str]:
 def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     """Build a `ModelConfig` from a GGUF file's metadata and tensor inventory."""
     arch = _required(reader, "general.architecture")
-    if arch in ("qwen35", "qwen3next"):
-        # The hybrid family runs from HF directories; its GGUF layout (fused, renamed and
-        # re-signed linear-attention tensors) is not mapped yet.
+    if arch in gguf_hybrid.MOE_HYBRID_ARCHITECTURES:
         raise ValueError(
-            f"GGUF files of the hybrid {arch!r} architecture are not supported yet; serve the "
-            "model's Hugging Face safetensors directory instead"
+            f"GGUF architecture {arch!r} is a mixture-of-experts hybrid; forklift runs the "
+            f"dense hybrid ({gguf_hybrid.HYBRID_ARCHITECTURE!r}) and no expert layers"
         )
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -128,11 +135,23 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv")
     head_dim = _field(reader, f"{arch}.attention.key_length")
     sliding_window = _field(reader, f"{arch}.attention.sliding_window")
+    # Multi-token-prediction layers follow the decoder's as extra blocks.
     num_layers = int(_required(reader, f"{arch}.block_count"))
+    num_layers -= int(_field(reader, f"{arch}.nextn_predict_layers") or 0)
     head_dim = int(head_dim) if head_dim else hidden // num_heads
-    gemma = _gemma3_fields(num_layers, hidden, num_heads, head_dim) if arch == "gemma3" else {}
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        extra = _gemma3_fields(num_layers, hidden, num_heads, head_dim)
+    elif arch == gguf_hybrid.HYBRID_ARCHITECTURE:
+        extra = gguf_hybrid.hybrid_fields(
+            lambda key: _field(reader, key),
+            lambda key: gguf_hybrid.read_bool_array(reader, key),
+            names,
+            num_layers,
+            head_dim,
+        )
     return ModelConfig(
-        architecture=arch,
+        architecture=_MODEL_ARCHITECTURES.get(arch, arch),
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
         intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
@@ -145,12 +164,13 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
         rope_scaling=_rope_scaling(reader, arch),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        # (the first block of a hybrid may be a linear-attention one)
+        qkv_bias=any(n.endswith(".attn_q.bias") for n in names),
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(reader),
-        **gemma,
+        **extra,
     )
 
 
@@ -210,7 +230,15 @@ def _eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face parameter name."""
     layer = _LAYER_NAME.fullmatch(gguf_name)
-    parts = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    parts = _LAYER_TENSORS
+    if arch == "gemma3":
+        parts = _GEMMA3_LAYER_TENSORS
+    elif arch in _HYBRID_ARCHITECTURES:
+        parts = _HYBRID_LAYER_TENSORS
+        special = _HYBRID_SPECIAL_NAME.fullmatch(gguf_name)
+        if special is not None:
+            index, part = special.groups()
+            return layer_name(int(index), gguf_hybrid.SPECIAL_LAYER_TENSORS[part])
     if layer is not None:
         index, part, kind = layer.groups()
         if part in parts:
@@ -225,21 +253,32 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 def iter_gguf_weights(
     reader: gguf.GGUFReader, config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, float32 tensor)` for every tensor, dequantized and in HF layout."""
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, config.architecture)
+    """Yield `(hf_name, float32 tensor)` for every tensor the model reads, dequantized and
+    in HF layout."""
+    for tensor, name in _model_tensors(reader, config):
         array = _dequantize(reader, tensor)
         if config.architecture in _PERMUTED_ARCHITECTURES:
             array = _unpermute_rotary(array, tensor.name, config)
         if config.architecture in _ONE_PLUS_NORM_ARCHITECTURES and name.endswith("norm.weight"):
             array -= 1.0
+        if config.linear_attention is not None:
+            array = gguf_hybrid.to_hf_layout(array, name, config.linear_attention)
         yield name, torch.from_numpy(array)
 
 
-def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
+def gguf_tensor_types(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, str]:
     """HF parameter name -> the GGUF block type it is stored in (Q4_1, Q8_0, F32, ...)."""
-    arch = _field(reader, "general.architecture") or "llama"
-    return {hf_tensor_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
+    return {name: t.tensor_type.name for t, name in _model_tensors(reader, config)}
+
+
+def _model_tensors(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[Any, str]]:
+    """(tensor, HF name) of each tensor the model reads: the blocks past the decoder's layers
+    (multi-token prediction) are left out."""
+    for tensor in reader.tensors:
+        layer = _LAYER_INDEX.match(tensor.name)
+        if layer is not None and int(layer.group(1)) >= config.num_layers:
+            continue
+        yield tensor, hf_tensor_name(tensor.name, config.architecture)
 
 
 def iter_gguf_int4_groups(
@@ -249,10 +288,9 @@ def iter_gguf_int4_groups(
     given), read exactly from its blocks with no dense detour (gguf_blocks.int4_groups)."""
     for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT4_TYPES, names):
         groups = gguf_blocks.int4_groups(tensor.data, tensor.tensor_type, shape)
-        if config.architecture in _PERMUTED_ARCHITECTURES:
-            parts = (groups.codes, groups.scales, groups.zeros)
-            groups = Int4Groups(*_unpermute_rows(parts, tensor.name, config))
-        yield name, groups
+        parts = _rows_in_hf_order((groups.codes, groups.scales, groups.zeros), tensor.name, config)
+        if parts is not None:
+            yield name, Int4Groups(*parts)
 
 
 def iter_gguf_int8_blocks(
@@ -262,10 +300,9 @@ def iter_gguf_int8_blocks(
     type has an int8 form (gguf_blocks.int8_blocks: exact for Q8_0 / Q5_0 / Q4_0)."""
     for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT8_TYPES, names):
         blocks = gguf_blocks.int8_blocks(tensor.data, tensor.tensor_type, shape)
-        if config.architecture in _PERMUTED_ARCHITECTURES:
-            codes, scales = _unpermute_rows((blocks.codes, blocks.scales), tensor.name, config)
-            blocks = Int8Blocks(codes, scales, blocks.exact)
-        yield name, blocks
+        parts = _rows_in_hf_order((blocks.codes, blocks.scales), tensor.name, config)
+        if parts is not None:
+            yield name, Int8Blocks(*parts, exact=blocks.exact)
 
 
 def _block_matrices(
@@ -275,19 +312,26 @@ def _block_matrices(
     names: Collection[str] | None,
 ) -> Iterator[tuple[Any, str, tuple[int, int]]]:
     """(tensor, hf name, [N, K]) of the file's matrices stored in one of `types`."""
-    for tensor in reader.tensors:
+    for tensor, name in _model_tensors(reader, config):
         if tensor.tensor_type.name not in types or len(tensor.shape) != 2:
             continue
-        name = hf_tensor_name(tensor.name, config.architecture)
         if names is None or name in names:
             yield tensor, name, (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml: [K, N]
 
 
-def _unpermute_rows(
+def _rows_in_hf_order(
     parts: tuple[torch.Tensor, ...], gguf_name: str, config: ModelConfig
-) -> list[torch.Tensor]:
-    """`_unpermute_rotary` of per-row tensors (codes and their per-group scales alike)."""
-    return [torch.from_numpy(_unpermute_rotary(p.numpy(), gguf_name, config)) for p in parts]
+) -> tuple[torch.Tensor, ...] | None:
+    """A block matrix's per-row parts (codes and their per-group values alike) in HF's
+    order; None where the file's order cannot be undone without cutting blocks."""
+    if config.architecture in _PERMUTED_ARCHITECTURES:
+        return tuple(
+            torch.from_numpy(_unpermute_rotary(p.numpy(), gguf_name, config)) for p in parts
+        )
+    if config.linear_attention is not None:
+        name = hf_tensor_name(gguf_name, config.architecture)
+        return gguf_hybrid.blocks_to_hf_layout(name, parts, config.linear_attention)
+    return parts
 
 
 def _dequantize(reader: gguf.GGUFReader, tensor: Any) -> np.ndarray:

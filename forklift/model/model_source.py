@@ -49,7 +49,7 @@ def quantization_plan(source: ModelSource, config: ModelConfig, method: str) -> 
     reader = source.gguf_reader()
     return QuantizationPlan(
         method,
-        gguf_tensor_types(reader),
+        gguf_tensor_types(reader, config),
         partial(iter_gguf_int4_groups, reader, config),
         partial(iter_gguf_int8_blocks, reader, config),
     )

@@ -45,6 +45,11 @@ _QWEN2_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: letters with their combining marks, digits one at a time.
+_QWEN35_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
 _FALCON_REGEXES = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_REGEX, r"[0-9][0-9][0-9]")
 _DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_REGEX)
@@ -58,6 +63,7 @@ _PRE_TOKENIZER_REGEXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
             (_LLAMA3_REGEX,),
         ),
         **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan"), (_QWEN2_REGEX,)),
+        "qwen35": (_QWEN35_REGEX,),
         **dict.fromkeys(
             ("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "jina-es", "jina-de"),
             (_GPT2_REGEX,),
