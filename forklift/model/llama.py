@@ -178,7 +178,12 @@ class LlamaForCausalLM(nn.Module):
         config = full_config if shard is None else shard.local_config(full_config)
         self.config = config
         self.tp: TensorParallelGroup | None = None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A given weight skips the random init: the checkpoint replaces its values.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
         self.norm = rms_norm(config, config.hidden_size)
         self.make_rotary(max_positions)

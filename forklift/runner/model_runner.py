@@ -676,16 +676,18 @@ def build_model(
     max_positions: int,
     shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
-    # Build on the meta device so no time goes into random initialisation, then load.
+    # The layers skip random initialisation (the checkpoint fills every weight), so the model
+    # is built where it runs. Not on the meta device: its ops run Python reference kernels
+    # that import torch._dynamo, seconds of every start-up.
     # By architecture, not by layer mix: a Qwen3.5 config of only full-attention layers still
     # has gated attention and zero-centred norms.
     model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
-    with torch.device("meta"):
+    with torch.device(device):
         model = model_class(config, max_positions, shard)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
     model.load_weights(weights)
     model.pack_weights()
-    # Rotary tables stay float32 (they are recomputed here because meta held no values).
+    # Rotary tables stay float32 (the cast above lowered them with the weights).
     with torch.device(device):
         model.make_rotary(max_positions)
     return model.eval()

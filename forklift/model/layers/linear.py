@@ -75,6 +75,10 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     lora: LoRASlots | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight comes from the checkpoint, so random values would be wasted
+        work at start-up (a second on the default model)."""
+
     def pack(self) -> None:
         self.packed_weight = pack_weight(self.weight)
 
