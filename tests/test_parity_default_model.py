@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_greedy
+from tiny_models import hf_teacher_forced
 
 from forklift import SamplingParams
 from forklift.hf_reference import load_hf_model
@@ -47,10 +47,12 @@ def test_default_model_greedy_parity(default_llm_fp32, hf_oracle):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompt_ids, params, use_tqdm=False)
     for prompt, output in zip(prompt_ids, outputs, strict=True):
-        with torch.no_grad():
-            expected_tokens, expected_logprobs = hf_greedy(hf_oracle, prompt, NEW_TOKENS)
         completion = output.outputs[0]
+        # HF's greedy continuation: its argmax at every position of forklift's tokens.
+        scores = hf_teacher_forced(hf_oracle, prompt, completion.token_ids)
+        expected_tokens = scores.argmax(dim=-1).tolist()
         assert completion.token_ids == expected_tokens
+        expected_logprobs = [scores[i, t].item() for i, t in enumerate(expected_tokens)]
         got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
         assert got == pytest.approx(expected_logprobs, abs=1e-3)
         # Greedy picks the top token: its rank is 1 and it heads the top-2 list.

@@ -138,6 +138,19 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
     return tokens, logprobs
 
 
+def hf_teacher_forced(
+    model: torch.nn.Module, prompt: list[int], continuation: list[int]
+) -> torch.Tensor:
+    """HF transformers' next-token log-probabilities after prompt + continuation[:i], row i,
+    from one forward. Where each row's argmax is the continuation's token, the continuation
+    is exactly HF's greedy one (by induction over positions), at a fraction of generate()'s
+    cost on a large vocabulary."""
+    ids = torch.tensor([prompt + continuation[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 :].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 # Tiny Qwen3.5 hybrids: Gated DeltaNet layers beside gated full attention. Each variant sets
 # its own layers and heads over _COMMON.
 HYBRID_VARIANTS = {
