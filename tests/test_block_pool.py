@@ -83,3 +83,14 @@ def test_kv_manager_waste_is_under_one_block_per_request():
     for rid, n in lengths.items():
         reserved = len(kv.block_table(rid)) * block_size
         assert 0 <= reserved - n < block_size
+
+
+def test_never_used_blocks_come_first_in_id_order_then_the_freed_in_lru_order():
+    pool = BlockPool(6)
+    first = pool.allocate(2)
+    assert first == [1, 2]
+    pool.free(first)  # freed tail first: 2, then 1
+    assert pool.num_free_blocks == 5
+    assert pool.allocate(5) == [3, 4, 5, 2, 1]
+    assert pool.num_free_blocks == 0
+    assert len(pool.blocks) == 6 and [b.block_id for b in pool.blocks[-2:]] == [4, 5]

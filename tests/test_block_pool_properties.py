@@ -88,7 +88,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block in pool.blocks[1:]:
             assert block.ref_cnt == owners.get(block.block_id, 0)
         # A block is free exactly when nobody holds it; so no held block can be handed out.
-        free = set(pool._free)
+        free = set(pool._free) | set(range(pool._next_fresh, NUM_BLOCKS))
         assert free == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
         assert pool.num_free_blocks + len(owners) == NUM_BLOCKS - 1
 

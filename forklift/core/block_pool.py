@@ -12,7 +12,9 @@ there. Only when the block is handed out for new contents is its key forgotten (
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 NULL_BLOCK_ID = 0
 
@@ -33,8 +35,42 @@ class KVBlock:
     key: BlockKey | None = None
 
 
+class _Blocks(Sequence[KVBlock]):
+    """Every block's bookkeeping, made on first access: a small model under a large memory
+    budget has millions of blocks, whose objects took seconds of start-up to build."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._made: list[KVBlock] = []
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> KVBlock: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[KVBlock]: ...
+
+    def __getitem__(self, index: int | slice) -> KVBlock | list[KVBlock]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"block {index} out of range")
+        made = self._made
+        if index >= len(made):
+            made.extend(KVBlock(i) for i in range(len(made), index + 1))
+        return made[index]
+
+
 class BlockPool:
-    """Hands out fixed-size blocks; freed blocks go to the back of the free list (LRU order)."""
+    """Hands out fixed-size blocks; freed blocks go to the back of the free list (LRU order).
+
+    The free list starts as every block in id order; blocks never handed out yet stay out of
+    it as a range (`_next_fresh` onwards) that precedes every freed block, so a pool of any
+    size is built at once and hands blocks out in the same order."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -42,15 +78,16 @@ class BlockPool:
                 f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
             )
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = _Blocks(num_blocks)
+        self._next_fresh = NULL_BLOCK_ID + 1
         # Insertion order is eviction order: the front is the least recently freed block.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._next_fresh + len(self._free)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -66,15 +103,20 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the front of the free list, evicting cached contents."""
-        if count > len(self._free):
-            raise MemoryError(f"asked for {count} KV blocks, only {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise MemoryError(f"asked for {count} KV blocks, only {self.num_free_blocks} free")
         ids = []
         for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.key is not None:
-                self._forget(block)
-                self.num_evictions += 1
+            if self._next_fresh < self.num_blocks:
+                block_id = self._next_fresh
+                self._next_fresh += 1
+                block = self.blocks[block_id]
+            else:
+                block_id, _ = self._free.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.key is not None:
+                    self._forget(block)
+                    self.num_evictions += 1
             block.ref_cnt = 1
             ids.append(block_id)
         return ids
