@@ -8,8 +8,15 @@ import numpy as np
 from forklift.checkpoint.gguf_file import _PlainArrayReader
 
 
+class _GenericParse(gguf.GGUFReader):
+    """gguf's own parse, over the same plain view of the mapped file (the view changes no
+    value, and spares seconds of memmap slicing)."""
+
+    data = _PlainArrayReader.data
+
+
 def _generic(path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(str(path))
+    return _GenericParse(str(path))
 
 
 def _assert_same_fields(path) -> None:
