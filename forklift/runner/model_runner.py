@@ -263,7 +263,7 @@ class ModelRunner:
     @mirrored
     def _profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
         """The largest step the scheduler can build: one full-budget prefill chunk, plus logits
-        and sampling for up to max_num_seqs rows."""
+        and the sampler's sorted copy of them for up to max_num_seqs rows."""
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(blocks, 1)
@@ -289,7 +289,15 @@ class ModelRunner:
                 hidden = self.model(ids, positions, self.layer_caches, meta)
                 rows = min(max_num_seqs, num_tokens)
                 logits = self.model.compute_logits(hidden[-rows:])
-                logits.sort(dim=-1)
+                # top-k / top-p hold every row sorted (values, int64 order) and its
+                # probabilities: their memory, written. (Sorting took 0.7 s of start-up for
+                # 256 rows of 49k logits, and its own scratch is no larger than a copy.)
+                sampler_rows = (
+                    torch.zeros_like(logits),
+                    torch.zeros(logits.shape, dtype=torch.int64),
+                    torch.zeros_like(logits),
+                )
+                del sampler_rows
         finally:
             self.model.layers, self.layer_caches = all_layers, all_caches
         self._free_kv_cache()
