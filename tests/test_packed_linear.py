@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import random_linear
 
 import forklift.model.layers.linear as linear_module
 from forklift.cpu import cpu_flags
-from forklift.model.layers.linear import Linear, can_pack
+from forklift.model.layers.linear import can_pack
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN linear on this build")
 def test_packed_linear_matches_f_linear_and_follows_repacking():
     torch.manual_seed(0)
-    layer = Linear(96, 160, bias=True)
+    layer = random_linear(96, 160, bias=True)
     layer.pack()
     assert layer.packed_weight is not None
     for rows in (1, 8, 33):
@@ -38,7 +39,7 @@ def test_packed_linear_matches_f_linear_and_follows_repacking():
 
 
 def test_half_weights_are_never_packed():
-    layer = Linear(8, 8).to(torch.float16)
+    layer = random_linear(8, 8).to(torch.float16)
     layer.pack()
     assert layer.packed_weight is None
 
@@ -60,7 +61,7 @@ def _onednn_reorders_bf16() -> bool:
 def test_bf16_weights_are_packed_only_on_cpus_with_bf16_units(monkeypatch, fast_bf16):
     monkeypatch.setattr(linear_module, "cpu_has_fast_bf16", lambda: fast_bf16)
     torch.manual_seed(0)
-    layer = Linear(64, 96, bias=False).to(torch.bfloat16)
+    layer = random_linear(64, 96, bias=False).to(torch.bfloat16)
     layer.pack()
     if not can_pack(torch.zeros(1)):
         assert layer.packed_weight is None

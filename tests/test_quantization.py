@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_factory import write_gguf
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, random_linear
 
 from forklift import LLM, SamplingParams
 from forklift.checkpoint.gguf_file import open_gguf
@@ -91,7 +91,7 @@ def test_int8_rows_match_the_dense_matmul():
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 def test_linear_uses_the_quantized_copy_only_for_few_rows(kernels):
     torch.manual_seed(3)
-    layer = Linear(64, 32, bias=True).to(torch.bfloat16)
+    layer = random_linear(64, 32, bias=True).to(torch.bfloat16)
     groups = int4_groups_from_dense(torch.zeros(32, 64))
     if kernels == "native":
         kernel = QuantMatmulKernel.load()

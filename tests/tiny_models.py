@@ -138,6 +138,18 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
     return tokens, logprobs
 
 
+def random_linear(in_features: int, out_features: int, bias: bool = True):
+    """forklift's Linear with random weights: the layer itself skips initialisation (a model's
+    weights are always loaded), so a test that builds one alone fills it."""
+    from forklift.model.layers.linear import Linear
+
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, in_features**-0.5)
+    return layer
+
+
 def hf_teacher_forced(
     model: torch.nn.Module, prompt: list[int], continuation: list[int]
 ) -> torch.Tensor:
