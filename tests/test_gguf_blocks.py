@@ -15,6 +15,7 @@ from test_native_quant_matmul import _reference
 from forklift import LLM, SamplingParams
 from forklift.checkpoint.gguf_file import open_gguf
 from forklift.checkpoint.source import resolve_model
+from forklift.model import gguf_blocks
 from forklift.model.gguf_blocks import (
     EXACT_INT8_TYPES,
     INT4_TYPES,
@@ -110,6 +111,10 @@ def test_decoded_blocks_match_gguf(block_type):
         with pytest.raises(ValueError):
             int4_groups(raw, Q[block_type], (n, k))
     _assert_int8_blocks_fit(int8_blocks(raw, Q[block_type], (n, k)), exact, block_type)
+    # and the dense read is gguf's, bit for bit (the Q4_0 / Q4_1 / Q8_0 ones are forklift's)
+    dense = gguf_blocks.dequantize(raw, Q[block_type], (n, k))
+    assert dense.dtype == np.float32
+    assert np.array_equal(dense.view(np.uint32), exact.view(np.uint32))
 
 
 def test_rounding_bound_holds_at_the_edges():

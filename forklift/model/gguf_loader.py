@@ -336,19 +336,18 @@ def _rows_in_hf_order(
 
 def _dequantize(reader: gguf.GGUFReader, tensor: Any) -> np.ndarray:
     qtype = tensor.tensor_type
+    # ggml lists dimensions fastest-varying first; numpy/HF order is the reverse.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     try:
-        array = gguf.quants.dequantize(tensor.data, qtype)
+        array = gguf_blocks.dequantize(tensor.data, qtype, shape)
     except NotImplementedError as exc:
         raise ValueError(
             f"GGUF tensor {tensor.name} uses quantization type {qtype.name}, "
             "which forklift cannot dequantize"
         ) from exc
-    # ggml lists dimensions fastest-varying first; numpy/HF order is the reverse.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    try:
-        array = array.astype(np.float32, copy=False).reshape(shape)
     except ValueError as exc:
         raise ValueError(f"GGUF tensor {tensor.name} does not fit shape {shape}: {exc}") from exc
+    array = array.astype(np.float32, copy=False)
     if np.may_share_memory(array, reader.data):
         array = array.copy()  # detach from the read-only memory map
     return array
