@@ -22,11 +22,13 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_models import tiny_hybrid_model  # noqa: E402
+
 OUT = ROOT / "tests" / "data" / "hybrid_gguf"
 
 # Qwen3.5's pre-tokenizer split, as its tokenizer.json states it.
@@ -42,28 +44,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-COMMON = dict(
-    vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
-    rms_norm_eps=1e-6, initializer_range=0.25, bos_token_id=None, eos_token_id=2,
-)  # fmt: skip
-VARIANTS = {
-    # Three linear layers then a full one; two value heads per key head, whose order the
-    # converter changes; an untied head and an MTP layer.
-    "interval": dict(
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-    ),
-    # Full attention first, three value heads on one key head, a tied head, no MTP layer.
-    "odd-heads": dict(
-        num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "linear_attention"],
-        num_attention_heads=3, num_key_value_heads=1, head_dim=20,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.5},
-        linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=6,
-        linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True,
-    ),
-}  # fmt: skip
+# The tests' tiny hybrids (tests/tiny_models.py), over this tokenizer's vocabulary.
+VARIANTS = ("interval", "odd-heads")
+OVERRIDES = dict(vocab_size=MODEL_VOCAB, bos_token_id=None, eos_token_id=2)
 WITH_MTP = ("interval",)
 
 
@@ -86,29 +69,13 @@ def train_tokenizer(text: str) -> Tokenizer:
     return tokenizer
 
 
-def tiny_hybrid(variant: str, seed: int) -> torch.nn.Module:
-    config = transformers.Qwen3_5TextConfig(**COMMON, **VARIANTS[variant])
-    torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # HF starts norms at their identity and dt_bias at one: perturb them so the
-            # converter's +1 on norms and its other re-signings are all exercised.
-            if name.endswith("norm.weight"):
-                param.normal_(0, 0.3)
-            elif name.endswith("dt_bias"):
-                param.normal_(0, 1.0)
-    return model
-
-
 def add_mtp_layer(directory: Path, variant: str, seed: int) -> None:
     """Append Qwen3.5's MTP tensors (one full-attention layer, its fc and norms) to the
     checkpoint; HF's model class ignores them, as it does for released checkpoints."""
-    settings = {**VARIANTS[variant], "num_hidden_layers": 1, "layer_types": ["full_attention"]}
-    config = transformers.Qwen3_5TextConfig(**COMMON, **settings)
-    torch.manual_seed(seed + 1000)
-    donor = transformers.Qwen3_5ForCausalLM(config).float()
-    hidden = config.hidden_size
+    donor = tiny_hybrid_model(
+        variant, seed + 1000, **OVERRIDES, num_hidden_layers=1, layer_types=["full_attention"]
+    )
+    hidden = donor.config.hidden_size
     weights = load_file(directory / "model.safetensors")
     for name, tensor in donor.model.layers[0].state_dict().items():
         weights[f"mtp.layers.0.{name}"] = tensor.clone()
@@ -124,7 +91,9 @@ def add_mtp_layer(directory: Path, variant: str, seed: int) -> None:
 
 def write_hf_directory(directory: Path, variant: str, seed: int, tokenizer: Tokenizer) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    tiny_hybrid(variant, seed).save_pretrained(directory, safe_serialization=True)
+    tiny_hybrid_model(variant, seed, **OVERRIDES).save_pretrained(
+        directory, safe_serialization=True
+    )
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
         json.dumps(

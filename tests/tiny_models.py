@@ -193,6 +193,11 @@ HYBRID_VARIANTS = {
 
 
 def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0, **overrides) -> TinyModel:
+    return _save(tiny_hybrid_model(variant, seed, **overrides), directory)
+
+
+def tiny_hybrid_model(variant: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random Qwen3.5 hybrid of one of HYBRID_VARIANTS (its settings over _COMMON)."""
     settings = {**_COMMON, **HYBRID_VARIANTS[variant], **overrides}
     config = transformers.Qwen3_5TextConfig(**settings)
     torch.manual_seed(seed)
@@ -205,7 +210,7 @@ def make_tiny_hybrid(variant: str, directory: Path, seed: int = 0, **overrides) 
                 param.normal_(0, 0.3)
             elif name.endswith("dt_bias"):
                 param.normal_(0, 1.0)
-    return _save(model, directory)
+    return model
 
 
 def make_tiny_byte_level_model(directory: Path, tokenizer: ForkliftTokenizer) -> TinyModel:
