@@ -1,8 +1,8 @@
 """llama.cpp's layout of the Qwen3.5 hybrid (`qwen35` GGUF files), mapped back onto HF's.
 
 llama.cpp's converter renames the Gated DeltaNet tensors, stores `-exp(A_log)` instead of
-`A_log`, squeezes the convolution kernel, adds one to every zero-centred norm weight (not the
-gated norm of the linear layers), and, where a key head serves several value heads, reorders
+`A_log`, squeezes the convolution kernel, adds one to every zero-centred norm weight (undone
+by the loader, as for Gemma 3), and, where a key head serves several value heads, reorders
 the value heads from grouped by key head ([k0: v0 v1][k1: v0 v1]) to tiled ([v0: k0 k1]
 [v1: k0 k1]) in every tensor with a value-head axis. It appends the multi-token-prediction
 layers as extra blocks (`nextn_predict_layers`) after the decoder's own; the model skips them.
@@ -11,14 +11,11 @@ Everything here undoes one of those steps, so the model code reads HF names and 
 
 from __future__ import annotations
 
-from typing import Any
-
-import gguf
 import numpy as np
 import torch
 
 from forklift.model.layers.quantized import GROUP_SIZE
-from forklift.model.model_config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionConfig
+from forklift.model.model_config import LinearAttentionConfig
 
 # llama.cpp's names of the hybrid family: the dense model runs; its MoE sibling does not.
 HYBRID_ARCHITECTURE = "qwen35"
@@ -39,55 +36,11 @@ SPECIAL_LAYER_TENSORS = {
     "ssm_a": "linear_attn.A_log",
     "ssm_dt.bias": "linear_attn.dt_bias",
 }
-_GATED_NORM = "linear_attn.norm.weight"
-
-
-def hybrid_fields(
-    field: Any, bool_array: Any, tensor_names: set[str], num_layers: int, head_dim: int
-) -> dict[str, Any]:
-    """ModelConfig's hybrid settings from a qwen35 file's metadata (`field(key)` reads a
-    value, `bool_array(key)` a list of booleans)."""
-    arch = HYBRID_ARCHITECTURE
-    recurrent = bool_array(f"{arch}.attention.recurrent_layers")
-    if recurrent is not None:
-        layer_types = [LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:num_layers]]
-    else:
-        interval = int(field(f"{arch}.full_attention_interval") or 4)
-        layer_types = [
-            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-            for i in range(num_layers)
-        ]
-    value_heads = int(_required(field, f"{arch}.ssm.time_step_rank"))
-    rotary_dim = field(f"{arch}.rope.dimension_count")
-    first_full = layer_types.index(FULL_ATTENTION) if FULL_ATTENTION in layer_types else None
-    return {
-        "layer_types": tuple(layer_types),
-        "linear_attention": LinearAttentionConfig(
-            num_key_heads=int(_required(field, f"{arch}.ssm.group_count")),
-            num_value_heads=value_heads,
-            key_head_dim=int(_required(field, f"{arch}.ssm.state_size")),
-            value_head_dim=int(_required(field, f"{arch}.ssm.inner_size")) // value_heads,
-            conv_kernel=int(_required(field, f"{arch}.ssm.conv_kernel")),
-        ),
-        "partial_rotary_factor": int(rotary_dim) / head_dim if rotary_dim else 0.25,
-        "attention_output_gate": True,
-        "zero_centred_norms": True,
-        "o_proj_bias": first_full is not None
-        and f"blk.{first_full}.attn_output.bias" in tensor_names,
-    }
-
-
-def _required(field: Any, key: str) -> Any:
-    value = field(key)
-    if value is None:
-        raise ValueError(f"GGUF metadata lacks the required key {key}")
-    return value
 
 
 def to_hf_layout(array: np.ndarray, hf_name: str, shape: LinearAttentionConfig) -> np.ndarray:
-    """A dense tensor of a qwen35 file, in HF's layout and convention."""
-    if hf_name.endswith("norm.weight") and not hf_name.endswith(_GATED_NORM):
-        return array - 1.0
+    """A dense tensor of a qwen35 file in HF's layout and sign (its norms' 1 + w is the
+    loader's shared rule for zero-centred norms)."""
     if ".linear_attn." not in hf_name:
         return array
     if hf_name.endswith("A_log"):
@@ -147,10 +100,3 @@ def blocks_to_hf_layout(
         codes, *per_group = parts
         return (codes.index_select(1, columns), *(p.index_select(1, groups) for p in per_group))
     return parts
-
-
-def read_bool_array(reader: gguf.GGUFReader, key: str) -> list[bool] | None:
-    field = reader.get_field(key)
-    if field is None or not field.types or field.types[0] != gguf.GGUFValueType.ARRAY:
-        return None
-    return [bool(field.parts[i][0]) for i in field.data]

@@ -18,7 +18,13 @@ import torch
 from forklift.checkpoint.tensors import layer_name
 from forklift.model import gguf_blocks, gguf_hybrid
 from forklift.model.layers.quantized import Int4Groups, Int8Blocks
-from forklift.model.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from forklift.model.model_config import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    LinearAttentionConfig,
+    ModelConfig,
+)
 
 _ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", gguf_hybrid.HYBRID_ARCHITECTURE)
 # GGUF architecture -> forklift's name for it, where they differ.
@@ -57,8 +63,9 @@ _GEMMA3_LAYER_TENSORS = MappingProxyType(
         "post_ffw_norm": "post_feedforward_layernorm",
     }
 )
-# Gemma norms scale by 1 + w; llama.cpp's converter stores 1 + w, HF stores w.
-_ONE_PLUS_NORM_ARCHITECTURES = ("gemma3",)
+# Zero-centred norms (Gemma 3's, Qwen3.5's) scale by 1 + w; llama.cpp's converter stores
+# 1 + w, HF stores w. Not the gated norm of Qwen3.5's linear layers, a plain one.
+_PLAIN_NORM_IN_ZERO_CENTRED_MODELS = "linear_attn.norm.weight"
 # llama.cpp's constants for Gemma 3 that its files do not carry: every sixth layer is global,
 # the local layers' rotary base is 10,000.
 _GEMMA3_SLIDING_PATTERN = 6
@@ -66,7 +73,6 @@ _GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 _GEMMA3_27B_LAYERS = 62
 
 _HYBRID_LAYER_TENSORS = MappingProxyType({**_LAYER_TENSORS, **gguf_hybrid.LAYER_TENSORS})
-_HYBRID_ARCHITECTURES = ("qwen3_5", gguf_hybrid.HYBRID_ARCHITECTURE)
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LAYER_INDEX = re.compile(r"blk\.(\d+)\.")
@@ -94,11 +100,21 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any | None:
     return value.item()
 
 
-def _array_length(reader: gguf.GGUFReader, key: str) -> int | None:
+def _array_field(reader: gguf.GGUFReader, key: str) -> Any | None:
     field = reader.get_field(key)
     if field is None or not field.types or field.types[0] != gguf.GGUFValueType.ARRAY:
         return None
-    return len(field.data)
+    return field
+
+
+def _array_length(reader: gguf.GGUFReader, key: str) -> int | None:
+    field = _array_field(reader, key)
+    return None if field is None else len(field.data)
+
+
+def _bool_array(reader: gguf.GGUFReader, key: str) -> list[bool] | None:
+    field = _array_field(reader, key)
+    return None if field is None else [bool(field.parts[i][0]) for i in field.data]
 
 
 def _required(reader: gguf.GGUFReader, key: str) -> Any:
@@ -143,13 +159,7 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     if arch == "gemma3":
         extra = _gemma3_fields(num_layers, hidden, num_heads, head_dim)
     elif arch == gguf_hybrid.HYBRID_ARCHITECTURE:
-        extra = gguf_hybrid.hybrid_fields(
-            lambda key: _field(reader, key),
-            lambda key: gguf_hybrid.read_bool_array(reader, key),
-            names,
-            num_layers,
-            head_dim,
-        )
+        extra = _qwen35_fields(reader, names, num_layers, head_dim)
     return ModelConfig(
         architecture=_MODEL_ARCHITECTURES.get(arch, arch),
         vocab_size=_vocab_size(reader, arch),
@@ -194,6 +204,40 @@ def _gemma3_fields(num_layers: int, hidden: int, num_heads: int, head_dim: int) 
     }
 
 
+def _qwen35_fields(
+    reader: gguf.GGUFReader, names: set[str], num_layers: int, head_dim: int
+) -> dict[str, Any]:
+    """The hybrid's settings: where its linear layers sit (`recurrent_layers`, else every
+    `full_attention_interval`-th layer is full) and their shape (`ssm.*`)."""
+    arch = gguf_hybrid.HYBRID_ARCHITECTURE
+    recurrent = _bool_array(reader, f"{arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        layer_types = [LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:num_layers]]
+    else:
+        interval = int(_field(reader, f"{arch}.full_attention_interval") or 4)
+        layer_types = [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(num_layers)
+        ]
+    value_heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
+    rotary_dim = _field(reader, f"{arch}.rope.dimension_count")
+    first_full = layer_types.index(FULL_ATTENTION) if FULL_ATTENTION in layer_types else None
+    return {
+        "layer_types": tuple(layer_types),
+        "linear_attention": LinearAttentionConfig(
+            num_key_heads=int(_required(reader, f"{arch}.ssm.group_count")),
+            num_value_heads=value_heads,
+            key_head_dim=int(_required(reader, f"{arch}.ssm.state_size")),
+            value_head_dim=int(_required(reader, f"{arch}.ssm.inner_size")) // value_heads,
+            conv_kernel=int(_required(reader, f"{arch}.ssm.conv_kernel")),
+        ),
+        "partial_rotary_factor": int(rotary_dim) / head_dim if rotary_dim else 0.25,
+        "attention_output_gate": True,
+        "zero_centred_norms": True,
+        "o_proj_bias": first_full is not None and f"blk.{first_full}.attn_output.bias" in names,
+    }
+
+
 def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
     size = _field(reader, f"{arch}.vocab_size") or _array_length(reader, "tokenizer.ggml.tokens")
     if size:
@@ -233,7 +277,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     parts = _LAYER_TENSORS
     if arch == "gemma3":
         parts = _GEMMA3_LAYER_TENSORS
-    elif arch in _HYBRID_ARCHITECTURES:
+    elif arch == _MODEL_ARCHITECTURES[gguf_hybrid.HYBRID_ARCHITECTURE]:
         parts = _HYBRID_LAYER_TENSORS
         special = _HYBRID_SPECIAL_NAME.fullmatch(gguf_name)
         if special is not None:
@@ -259,11 +303,19 @@ def iter_gguf_weights(
         array = _dequantize(reader, tensor)
         if config.architecture in _PERMUTED_ARCHITECTURES:
             array = _unpermute_rotary(array, tensor.name, config)
-        if config.architecture in _ONE_PLUS_NORM_ARCHITECTURES and name.endswith("norm.weight"):
+        if _stored_as_one_plus_w(name, config):
             array -= 1.0
         if config.linear_attention is not None:
             array = gguf_hybrid.to_hf_layout(array, name, config.linear_attention)
         yield name, torch.from_numpy(array)
+
+
+def _stored_as_one_plus_w(hf_name: str, config: ModelConfig) -> bool:
+    return (
+        config.zero_centred_norms
+        and hf_name.endswith("norm.weight")
+        and not hf_name.endswith(_PLAIN_NORM_IN_ZERO_CENTRED_MODELS)
+    )
 
 
 def gguf_tensor_types(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, str]:
@@ -288,7 +340,8 @@ def iter_gguf_int4_groups(
     given), read exactly from its blocks with no dense detour (gguf_blocks.int4_groups)."""
     for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT4_TYPES, names):
         groups = gguf_blocks.int4_groups(tensor.data, tensor.tensor_type, shape)
-        parts = _rows_in_hf_order((groups.codes, groups.scales, groups.zeros), tensor.name, config)
+        parts = (groups.codes, groups.scales, groups.zeros)
+        parts = _rows_in_hf_order(parts, tensor.name, name, config)
         if parts is not None:
             yield name, Int4Groups(*parts)
 
@@ -300,7 +353,7 @@ def iter_gguf_int8_blocks(
     type has an int8 form (gguf_blocks.int8_blocks: exact for Q8_0 / Q5_0 / Q4_0)."""
     for tensor, name, shape in _block_matrices(reader, config, gguf_blocks.INT8_TYPES, names):
         blocks = gguf_blocks.int8_blocks(tensor.data, tensor.tensor_type, shape)
-        parts = _rows_in_hf_order((blocks.codes, blocks.scales), tensor.name, config)
+        parts = _rows_in_hf_order((blocks.codes, blocks.scales), tensor.name, name, config)
         if parts is not None:
             yield name, Int8Blocks(*parts, exact=blocks.exact)
 
@@ -320,7 +373,7 @@ def _block_matrices(
 
 
 def _rows_in_hf_order(
-    parts: tuple[torch.Tensor, ...], gguf_name: str, config: ModelConfig
+    parts: tuple[torch.Tensor, ...], gguf_name: str, hf_name: str, config: ModelConfig
 ) -> tuple[torch.Tensor, ...] | None:
     """A block matrix's per-row parts (codes and their per-group values alike) in HF's
     order; None where the file's order cannot be undone without cutting blocks."""
@@ -329,8 +382,7 @@ def _rows_in_hf_order(
             torch.from_numpy(_unpermute_rotary(p.numpy(), gguf_name, config)) for p in parts
         )
     if config.linear_attention is not None:
-        name = hf_tensor_name(gguf_name, config.architecture)
-        return gguf_hybrid.blocks_to_hf_layout(name, parts, config.linear_attention)
+        return gguf_hybrid.blocks_to_hf_layout(hf_name, parts, config.linear_attention)
     return parts
 
 
