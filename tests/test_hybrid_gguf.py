@@ -176,3 +176,19 @@ def test_mixture_of_experts_hybrid_files_are_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'qwen35moe' is a mixture-of-experts"):
         gguf_model_config(gguf.GGUFReader(path))
+
+
+def test_a_hybrid_file_without_its_linear_layer_shape_is_refused_by_key(tmp_path):
+    path = tmp_path / "no-ssm.gguf"
+    writer = gguf.GGUFWriter(path, "qwen35")
+    writer.add_block_count(4)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_feed_forward_length(128)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="lacks the required key qwen35.ssm.time_step_rank"):
+        gguf_model_config(gguf.GGUFReader(path))
