@@ -4,7 +4,8 @@ process: the kernel built for this CPU with its AMX tile path, the same kernel b
 AMX (AVX-512 VNNI tiles), and PyTorch's dense bf16 linear (oneDNN, AMX-BF16 on such CPUs).
 Medians of interleaved rounds. Writes benchmarks/amx-tiles.{md,json}.
 
-Run on an AMX CPU: .venv/bin/python benchmarks/scripts/amx_tiles.py
+The AMX path was measured and removed (benchmarks/amx-tiles.md): run this on an AMX CPU
+with commit afd8e19 checked out: .venv/bin/python benchmarks/scripts/amx_tiles.py
 """
 
 from __future__ import annotations

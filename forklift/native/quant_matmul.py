@@ -41,10 +41,6 @@ class QuantMatmulKernel:
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
-        uses_amx = library.forklift_quant_matmul_amx
-        uses_amx.restype = ctypes.c_int
-        # Tiles of several rows run on AMX (an AMX build where the OS granted the tiles).
-        self.uses_amx = bool(uses_amx())
 
     @classmethod
     def load(cls, arch: tuple[str, ...] | None = None) -> QuantMatmulKernel | None:

@@ -37,6 +37,3 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
     free(scratch);
     return 0;
 }
-
-/* 1 when this build's tiles of several rows run on AMX (see quant_matmul.h). */
-int forklift_quant_matmul_amx(void) { return quant_matmul_amx_active(); }

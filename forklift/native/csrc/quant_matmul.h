@@ -16,10 +16,7 @@
  * Each activation row is quantized once per call to int8 per 32 values (x = q * xd). The
  * dot product is AVX-512 VNNI `vpdpbusd` where the compiler targets it, AVX2 `vpmaddubsw`
  * + `vpmaddwd` where it targets that, plain C elsewhere. Each weight block is read once
- * from memory for all activation rows. Where the compiler targets AMX and the kernel grants
- * the process its tile state, tiles of AMX_MIN_ROWS to 16 rows take each block's products in
- * one tile instruction instead (the paired layout of two row groups is exactly a tile's VNNI
- * operand); the integer sums are the same, so the results are bit for bit VNNI's.
+ * from memory for all activation rows.
  *
  * The kernel is included by the libraries that use it (matmul alone, the decode step), so
  * everything here is static.
@@ -77,6 +74,13 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
     }
 }
 
+/* Software prefetch this many blocks ahead of the one being multiplied: a row group's blocks
+ * are one contiguous stream, and 4-8 KB ahead keeps a core's reads at the memory's pace
+ * where the hardware prefetcher alone left a quarter of it unused (bench decode). */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 32
+#endif
+
 #if defined(__AVX2__)
 /* acc + the int32 sums of u[4i..4i+3] * s[4i..4i+3] per lane i (unsigned by signed). */
 static inline __m256i dot_accumulate(__m256i acc, __m256i u, __m256i s) {
@@ -101,6 +105,8 @@ static inline __attribute__((always_inline)) void group_tile(
     for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * block_bytes;
+        for (int64_t line = 0; line < block_bytes; line += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line);
         __m256i w[8], signs[8];
         if (is_q4) {
             const __m256i low = _mm256_set1_epi8(0x0f);
@@ -162,7 +168,6 @@ static inline __attribute__((always_inline)) void group_tile(
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FORKLIFT_PAIRED_GROUPS 1
-#define PREFETCH_BLOCKS 4
 #define PAIR_TILE_ROWS 8
 /* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
  * the activations' broadcasts and the dot products serve sixteen outputs, half the
@@ -235,131 +240,6 @@ static inline __attribute__((always_inline)) void group_pair_tile(
 }
 #endif
 
-#if defined(FORKLIFT_PAIRED_GROUPS) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define FORKLIFT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Fewer rows than this stay on the VNNI tiles, which win there (bench decode). */
-#define AMX_MIN_ROWS 4
-#define AMX_TILE_ROWS 16
-/* Linux hands out AMX's tile data state only on request (arch_prctl, XFEATURE_XTILEDATA). */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use AMX tiles: asked once, when the library loads. */
-static int amx_granted;
-
-__attribute__((constructor)) static void amx_request_permission(void) {
-    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-/* ldtilecfg's 64-byte operand, palette 1. */
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0 and 3: int32 sums [rows x 16 outputs]; 1: activations [rows x 32 int8]; 2 and 4:
- * a block of two row groups' codes in VNNI order [8 x 64 bytes]. Other code on the thread
- * (oneDNN) configures tiles its own way, so every parallel region configures afresh. */
-static inline void amx_configure(int rows) {
-    TileConfig config;
-    memset(&config, 0, sizeof(config));
-    config.palette_id = 1;
-    config.rows[0] = (uint8_t)rows;
-    config.colsb[0] = 64;
-    config.rows[1] = (uint8_t)rows;
-    config.colsb[1] = QK;
-    config.rows[2] = config.rows[4] = 8;
-    config.colsb[2] = config.colsb[4] = 64;
-    config.rows[3] = (uint8_t)rows;
-    config.colsb[3] = 64;
-    /* The whole struct is the operand, so no store to it can be dropped as dead (GCC 12's
-     * _tile_loadconfig names only its first eight bytes). */
-    __asm__ volatile("ldtilecfg %0" : : "m"(config));
-}
-
-/* One block's codes of two row groups as the VNNI operand AMX multiplies: operand row c
- * holds inputs 4c..4c+3 of the 16 outputs, group g's 8 first. */
-static inline __attribute__((always_inline)) void amx_operand(const uint8_t *first,
-                                                              const uint8_t *second,
-                                                              uint8_t *operand, int is_q4) {
-    for (int c = 0; c < 8; c++) {
-        const int64_t offset = is_q4 ? 32 * (c & 3) : 32 * c;
-        __m512i row = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + offset))),
-            _mm256_loadu_si256((const __m256i *)(second + offset)), 1);
-        if (is_q4)
-            row = _mm512_and_si512(c < 4 ? row : _mm512_srli_epi16(row, 4),
-                                   _mm512_set1_epi8(0x0f));
-        _mm512_store_si512((__m512i *)(operand + 64 * c), row);
-    }
-}
-
-/* group_pair_tile for up to 16 rows on AMX. x's rows are `x_stride` bytes apart; the tiles
- * must be configured for `rows`. Two blocks are in flight: while block b's products are
- * computed into one tile and buffer, block b - 1's are scaled from the other (a tile's loads
- * and stores wait for memory, so one block alone would stall on each). A row's float steps
- * are group_pair_tile's, in its order. */
-static inline __attribute__((always_inline)) void group_pair_tile_amx(
-    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
-    const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
-    int64_t x_stride, float *sums, int is_q4) {
-    const int64_t block_bytes = is_q4 ? 128 : 256;
-    __m512 acc[AMX_TILE_ROWS];
-    __attribute__((aligned(64))) uint8_t operand[2][512];
-    __attribute__((aligned(64))) int32_t products[2][AMX_TILE_ROWS * 16];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b <= blocks; b++) {
-        const int slot = (int)(b & 1);
-        if (b < blocks) {
-            const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
-            for (int64_t line = 0; line < block_bytes; line += 64) {
-                __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
-                __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
-            }
-            amx_operand(first, second, operand[slot], is_q4);
-            /* Tile numbers are immediates: one branch per slot. */
-#define AMX_BLOCK(sums_tile, codes_tile)                                                   \
-            _tile_loadd(codes_tile, operand[slot], 64);                                    \
-            _tile_loadd(1, x[0].q + b * QK, x_stride);                                     \
-            _tile_zero(sums_tile);                                                         \
-            if (is_q4)                                                                     \
-                _tile_dpbsud(sums_tile, 1, codes_tile); /* signed x by unsigned codes */   \
-            else                                                                           \
-                _tile_dpbssd(sums_tile, 1, codes_tile);                                    \
-            _tile_stored(sums_tile, products[slot], 64);
-            if (slot == 0) {
-                AMX_BLOCK(0, 2)
-            } else {
-                AMX_BLOCK(3, 4)
-            }
-#undef AMX_BLOCK
-        }
-        if (b == 0) continue;
-        const int64_t done = b - 1;
-        const int32_t *ready = products[slot ^ 1];
-        const __m512 wd = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(d0 + 8 * done))),
-            _mm_loadu_si128((const __m128i *)(d1 + 8 * done)), 1));
-        const __m512 wm = is_q4 ? _mm512_cvtph_ps(_mm256_inserti128_si256(
-                                      _mm256_castsi128_si256(
-                                          _mm_loadu_si128((const __m128i *)(m0 + 8 * done))),
-                                      _mm_loadu_si128((const __m128i *)(m1 + 8 * done)), 1))
-                                : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) {
-            const __m512 total = _mm512_cvtepi32_ps(_mm512_load_si512(ready + 16 * r));
-            acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[done])),
-                                     acc[r]);
-            if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[done]), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
-}
-#endif
-
 /* Weights of one matmul: q4 when `m` is set, else q8. `precise`: activations go in as
  * two int8 rows each, the quantized row and what its rounding left (about 15 bits instead
  * of 8, for twice the integer work): for the LM head, whose logits sampling reads
@@ -420,18 +300,10 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
 }
 
 #if defined(FORKLIFT_PAIRED_GROUPS)
-/* Where AMX may run: the bytes between consecutive activation rows, and the row count the
- * calling thread's tiles are configured for (0: not yet in this parallel region). */
-typedef struct {
-    int64_t x_stride;
-    int configured_rows;
-} AmxState;
-
-/* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
- * tiles of AMX_MIN_ROWS or more rows on AMX where `amx` is given. */
+/* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them. */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, AmxState *amx) {
+                                        int64_t fold) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -441,31 +313,6 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
     for (int64_t r0 = 0; r0 < rows;) {
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
-#if defined(FORKLIFT_AMX)
-        if (amx != NULL && limit - r0 >= AMX_MIN_ROWS) {
-            const int tile = limit - r0 < AMX_TILE_ROWS ? (int)(limit - r0) : AMX_TILE_ROWS;
-            float sums[16 * AMX_TILE_ROWS];
-            if (amx->configured_rows != tile) {
-                amx_configure(tile);
-                amx->configured_rows = tile;
-            }
-            if (is_q4)
-                group_pair_tile_amx(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                    m + blocks * 8, blocks, x + r0, tile, amx->x_stride, sums, 1);
-            else
-                group_pair_tile_amx(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                    blocks, x + r0, tile, amx->x_stride, sums, 0);
-            for (int t = 0; t < tile; t++) {
-                store_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, 8);
-                store_sums(out, out_stride, r0 + t, fold, first + 8, sums + 16 * t + 8,
-                           second_width);
-            }
-            r0 += tile;
-            continue;
-        }
-#else
-        (void)amx;
-#endif
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
         float sums[16 * PAIR_TILE_ROWS];
 #define PAIR_TILE(is_q4, rows)                                                               \
@@ -497,15 +344,6 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     }
 }
 #endif
-
-/* 1 when tiles of AMX_MIN_ROWS rows or more run on AMX in this process, else 0. */
-static inline int quant_matmul_amx_active(void) {
-#if defined(FORKLIFT_AMX)
-    return amx_granted;
-#else
-    return 0;
-#endif
-}
 
 /* Scratch for `rows` quantized activation rows of k values; NULL when out of memory. */
 static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow *views) {
@@ -542,25 +380,15 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         const int64_t per = (groups + threads - 1) / threads;
         const int64_t begin = id * per < groups ? id * per : groups;
         const int64_t end = begin + per < groups ? begin + per : groups;
-#if defined(FORKLIFT_AMX)
-        /* The quantized rows lie one stride apart (quantized_rows_alloc). */
-        AmxState amx_state = {active > 1 ? views[1].q - views[0].q : w->k, 0};
-        AmxState *amx = amx_granted && active >= AMX_MIN_ROWS ? &amx_state : NULL;
-#elif defined(FORKLIFT_PAIRED_GROUPS)
-        AmxState *amx = NULL;
-#endif
         for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
             if (g + 1 < end) {
-                quant_row_group_pair(w, g++, views, active, out, w->n, fold, amx);
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold);
                 continue;
             }
 #endif
             quant_row_group(w, g, views, active, out, w->n, fold);
         }
-#if defined(FORKLIFT_AMX)
-        /* if (amx_state.configured_rows != 0) _tile_release(); */
-#endif
     }
 }
 
