@@ -16,8 +16,6 @@ from forklift.bench.kv_calc import add_kv_calc_parser
 from forklift.config import (
     DECODE_BACKENDS,
     QUANTIZATION_METHODS,
-    SERVE_DECODE_STEP_PREFILL_TOKENS,
-    SERVE_PREFILL_PACE_STEPS,
     EngineConfig,
 )
 from forklift.cpu import CPU_KIND_ENV, simulated_cpu_kind, torch_environment
@@ -67,16 +65,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--decode-step-prefill-tokens",
         type=int,
         default=None,
-        help="most prompt tokens a step prefills while others decode (0: no bound; default: "
-        "none offline, 256 for serve)",
+        help="most prompt tokens a step prefills while others decode (default or 0: no "
+        "bound beyond --max-num-batched-tokens)",
     )
     group.add_argument(
         "--prefill-pace-steps",
         type=int,
         default=None,
         help="spread pending prompt tokens over about this many decoding steps (within "
-        "--decode-step-prefill-tokens), so steps cost alike (0: off; default: off offline, "
-        "16 for serve)",
+        "--decode-step-prefill-tokens), so steps cost alike (default or 0: off)",
     )
     group.add_argument(
         "--enable-prefix-caching",
@@ -197,19 +194,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(engine_config, lambda: sampling_params_from_args(args), args.system)
 
 
-def serving_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """A server keeps its streams flowing: prefill is bounded in steps that decode unless
-    the command line says otherwise."""
-    config = engine_config_from_args(args)
-    if config.decode_step_prefill_tokens is None:
-        config = dataclasses.replace(
-            config, decode_step_prefill_tokens=SERVE_DECODE_STEP_PREFILL_TOKENS
-        )
-    if config.prefill_pace_steps is None:
-        config = dataclasses.replace(config, prefill_pace_steps=SERVE_PREFILL_PACE_STEPS)
-    return config
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from forklift.server.serve import serve
 
@@ -221,7 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--lora-modules: data-parallel replicas do not load adapters yet")
 
         return serve_data_parallel(
-            serving_engine_config(args),
+            engine_config_from_args(args),
             host=args.host,
             port=args.port,
             data_parallel_size=args.data_parallel_size,
@@ -234,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
         )
     return serve(
-        serving_engine_config(args),
+        engine_config_from_args(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,

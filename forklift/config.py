@@ -16,13 +16,6 @@ if TYPE_CHECKING:
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DECODE_BACKENDS = ("auto", "native", "torch")
 
-# `forklift serve`'s decode_step_prefill_tokens unless told otherwise; chosen with
-# `forklift bench serve` at the seed's serving shape (docs/serving.md): the smallest bound
-# that keeps concurrency 16's throughput, with ITL p99 under twice p50 at 8 and 16.
-SERVE_DECODE_STEP_PREFILL_TOKENS = 48
-# ... and its prefill_pace_steps (benchmarks/serve.md: the same throughput as unpaced at
-# concurrency 8 and 16, with a third of the ITL p99).
-SERVE_PREFILL_PACE_STEPS = 16
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
 # configuration never loads it).
@@ -79,14 +72,15 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     # Most prompt tokens a step may prefill while running requests decode (all its prefill
     # chunks together): a new prompt then joins over several steps instead of stalling every
-    # stream for one long step. None or 0 = no bound beyond max_num_batched_tokens (offline
-    # throughput; `forklift serve` uses SERVE_DECODE_STEP_PREFILL_TOKENS unless told).
-    # Steps without decodes prefill at the full budget.
+    # stream for one long step. None or 0 = no bound beyond max_num_batched_tokens, the
+    # default everywhere, `forklift serve` included: a step that prefills leaves the native
+    # decode step for the PyTorch layers, so fewer, larger prefill steps serve faster
+    # (docs/serving.md). Steps without decodes prefill at the full budget.
     decode_step_prefill_tokens: int | None = None
     # With a bound above: spread the pending prompt tokens over about this many decoding
     # steps (each step prefills pending / steps, at least 16 tokens, at most the bound), so
-    # steps cost about the same. None or 0 = off: a step prefills up to the bound
-    # (`forklift serve` uses SERVE_PREFILL_PACE_STEPS unless told).
+    # steps cost about the same. None or 0 = off (the default): a step prefills up to the
+    # bound.
     prefill_pace_steps: int | None = None
     # Reuse the KV blocks of earlier requests that share a token prefix.
     enable_prefix_caching: bool = True

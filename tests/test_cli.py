@@ -101,42 +101,35 @@ def test_enforce_eager_flag_reaches_the_engine_config():
 def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
     import argparse
 
-    from forklift.cli import add_engine_args, engine_config_from_args, serving_engine_config
-    from forklift.config import SERVE_DECODE_STEP_PREFILL_TOKENS
+    from forklift.cli import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    default = parser.parse_args([])
-    assert engine_config_from_args(default).enable_prefix_caching is True
-    assert engine_config_from_args(default).decode_step_prefill_tokens is None  # offline
-    assert SERVE_DECODE_STEP_PREFILL_TOKENS == 48
-    assert serving_engine_config(default).decode_step_prefill_tokens == 48
+    default = engine_config_from_args(parser.parse_args([]))
+    assert default.enable_prefix_caching is True
+    # No bound by default, `forklift serve` included (vLLM's chunked prefill).
+    assert default.resolve_decode_step_prefill_tokens() is None
     off = parser.parse_args(["--no-enable-prefix-caching", "--decode-step-prefill-tokens", "0"])
     assert engine_config_from_args(off).enable_prefix_caching is False
-    assert serving_engine_config(off).decode_step_prefill_tokens == 0
-    assert serving_engine_config(off).resolve_decode_step_prefill_tokens() is None
+    assert engine_config_from_args(off).resolve_decode_step_prefill_tokens() is None
+    bounded = parser.parse_args(["--decode-step-prefill-tokens", "48"])
+    assert engine_config_from_args(bounded).resolve_decode_step_prefill_tokens() == 48
     with pytest.raises(ValueError, match="decode_step_prefill_tokens"):
         engine_config_from_args(parser.parse_args(["--decode-step-prefill-tokens", "-3"]))
 
 
-def test_prefill_pace_is_off_offline_and_on_for_serve():
+def test_prefill_pace_is_off_unless_asked_for():
     import argparse
 
-    from forklift.cli import add_engine_args, engine_config_from_args, serving_engine_config
+    from forklift.cli import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    default = parser.parse_args([])
-    assert engine_config_from_args(default).resolve_prefill_pace_steps() is None
-    assert serving_engine_config(default).resolve_prefill_pace_steps() == 16
+    assert engine_config_from_args(parser.parse_args([])).resolve_prefill_pace_steps() is None
     off = parser.parse_args(["--prefill-pace-steps", "0"])
-    assert serving_engine_config(off).resolve_prefill_pace_steps() is None
-    assert (
-        serving_engine_config(
-            parser.parse_args(["--prefill-pace-steps", "8"])
-        ).resolve_prefill_pace_steps()
-        == 8
-    )
+    assert engine_config_from_args(off).resolve_prefill_pace_steps() is None
+    paced = parser.parse_args(["--prefill-pace-steps", "8"])
+    assert engine_config_from_args(paced).resolve_prefill_pace_steps() == 8
     with pytest.raises(ValueError, match="prefill_pace_steps"):
         engine_config_from_args(parser.parse_args(["--prefill-pace-steps", "-1"]))
 
