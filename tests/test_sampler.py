@@ -9,7 +9,7 @@ import torch
 
 from forklift.core.request import Request
 from forklift.sampling.metadata import SamplingBatch
-from forklift.sampling.sampler import apply_penalties, hashed_uniform, sample
+from forklift.sampling.sampler import apply_penalties, first_max_index, hashed_uniform, sample
 from forklift.sampling_params import SamplingParams
 
 
@@ -49,6 +49,17 @@ def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 0.0]])
     out = sample(logits, batch_for([SamplingParams(temperature=0)] * 2))
     assert out.token_ids == [1, 0]
+
+
+def test_ties_go_to_the_first_maximum_as_argmax_does():
+    """Greedy equality between paths rests on one tie rule: the first maximal index."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [-1.0, -5.0, -1.0, -2.0]])
+    assert first_max_index(logits).tolist() == [1, 0, 0] == logits.argmax(dim=-1).tolist()
+    out = sample(logits, batch_for([SamplingParams(temperature=0)] * 3))
+    assert out.token_ids == [1, 0, 0]
+    torch.manual_seed(3)
+    wide = torch.randn(16, 49152).round(decimals=1)  # many ties
+    assert torch.equal(first_max_index(wide), wide.argmax(dim=-1))
 
 
 def test_narrow_filters_reduce_sampling_to_greedy():
