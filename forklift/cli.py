@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="spread pending prompt tokens over about this many decoding steps (within "
-        "--decode-step-prefill-tokens), so steps cost alike (default or 0: off)",
+        "--decode-step-prefill-tokens, or the token budget without it), so steps cost "
+        "alike (default or 0: off)",
     )
     group.add_argument(
         "--enable-prefix-caching",

@@ -77,10 +77,10 @@ class EngineConfig:
     # decode step for the PyTorch layers, so fewer, larger prefill steps serve faster
     # (docs/serving.md). Steps without decodes prefill at the full budget.
     decode_step_prefill_tokens: int | None = None
-    # With a bound above: spread the pending prompt tokens over about this many decoding
-    # steps (each step prefills pending / steps, at least 16 tokens, at most the bound), so
-    # steps cost about the same. None or 0 = off (the default): a step prefills up to the
-    # bound.
+    # Spread the pending prompt tokens over about this many decoding steps (each step
+    # prefills pending / steps, at least 16 tokens, at most the bound above, or the token
+    # budget without one), so steps cost about the same. None or 0 = off (the default): a
+    # step prefills up to the bound.
     prefill_pace_steps: int | None = None
     # Reuse the KV blocks of earlier requests that share a token prefix.
     enable_prefix_caching: bool = True

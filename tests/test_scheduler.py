@@ -219,3 +219,16 @@ def test_paced_prefill_spreads_the_backlog_and_grows_with_it():
     sched.prefill_pace_steps = None
     sched.add_request(make_request("e", 100))
     assert sum(prefill_chunks()) == 64
+
+
+def test_a_pace_without_a_bound_paces_within_the_token_budget():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=512, prefill_pace_steps=4)
+    sched.add_request(make_request("a", 10, max_tokens=100))
+    run_step(sched)
+    sched.add_request(make_request("b", 100))
+    chunks = [
+        [s.num_prompt_tokens for s in run_step(sched)[0].scheduled if s.num_prompt_tokens]
+        for _ in range(3)
+    ]
+    assert chunks == [[25], [19], [16]]

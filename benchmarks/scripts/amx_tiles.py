@@ -5,7 +5,8 @@ AMX (AVX-512 VNNI tiles), and PyTorch's dense bf16 linear (oneDNN, AMX-BF16 on s
 Medians of interleaved rounds. Writes benchmarks/amx-tiles.{md,json}.
 
 The AMX path was measured and removed (benchmarks/amx-tiles.md): run this on an AMX CPU
-with commit afd8e19 checked out: .venv/bin/python benchmarks/scripts/amx_tiles.py
+with commit afd8e19 checked out and PREFETCH_BLOCKS set to 32 in its quant_matmul.h:
+.venv/bin/python benchmarks/scripts/amx_tiles.py
 """
 
 from __future__ import annotations

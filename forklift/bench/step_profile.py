@@ -38,7 +38,7 @@ _MATRIX = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear
 _COMPILED_GRAPH = "CompiledFxGraph"
 _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 _ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index", NATIVE_ATTENTION}
-_SAMPLING = {"aten::argmax", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
+_SAMPLING = {"aten::argmax", "aten::max", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
              "aten::sort", "aten::gather", "aten::softmax", "aten::_softmax"}  # fmt: skip
 
 

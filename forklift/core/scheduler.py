@@ -87,6 +87,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         bound = self.decode_step_prefill_tokens
+        if bound is None and self.prefill_pace_steps is not None:
+            bound = self.max_num_batched_tokens  # a pace alone paces within the token budget
         decoding = bound is not None and any(
             r.num_tokens - r.num_computed_tokens == 1 for r in self.running
         )

@@ -1,0 +1,91 @@
+"""How far ahead should the block matmul prefetch? 30 layers' four projections of the default
+model (Q4 blocks, about 66 MB: far past the caches, as in a decode step) at 1 and 8 rows,
+for prefetch distances of 0 (the block in hand: no look-ahead), 4 (the distance the AVX-512
+build used before) and 32 (the kernel's default), in the build for this CPU and the AVX2
+build, side by side in one process, interleaved. Writes
+benchmarks/OUT_SUBDIR/prefetch-distance.{md,json}.
+
+Run: .venv/bin/python benchmarks/scripts/prefetch_distance.py [OUT_SUBDIR]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forklift.bench.report import cpu_flags
+from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
+
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+DISTANCES = (0, 4, 32)
+ROWS = (1, 8)
+ROUNDS = 9
+BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
+
+
+def _time_layers(layers: list[list[BlockInt4]], xs: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for layer in layers:
+        for weight, x in zip(layer, xs, strict=True):
+            weight.linear(x)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    out = Path(__file__).resolve().parents[1] / (sys.argv[1] if len(sys.argv) > 1 else "")
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    dense = [[torch.randn(n, k) * 0.05 for n, k in PROJECTIONS] for _ in range(LAYERS)]
+    results = []
+    for build, arch in BUILDS.items():
+        kernels = {d: QuantMatmulKernel.load((*arch, f"-DPREFETCH_BLOCKS={d}")) for d in DISTANCES}
+        layers = {d: [[BlockInt4.from_dense(w, k) for w in ws] for ws in dense]
+                  for d, k in kernels.items()}  # fmt: skip
+        megabytes = sum(w.nbytes for ws in layers[DISTANCES[0]] for w in ws) / 1e6
+        for rows in ROWS:
+            xs = [torch.randn(rows, k) for _, k in PROJECTIONS]
+            times: dict[int, list[float]] = {d: [] for d in DISTANCES}
+            for _ in range(ROUNDS):
+                for d in DISTANCES:
+                    times[d].append(_time_layers(layers[d], xs))
+            for d in DISTANCES:
+                ms = statistics.median(times[d]) * 1e3
+                results.append({"build": build, "rows": rows, "prefetch_blocks": d, "ms": ms,
+                                "gb_per_s": megabytes / ms})  # fmt: skip
+                print(results[-1], flush=True)
+    report = {"cpu_flags": cpu_flags(), "threads": 2, "rounds": ROUNDS, "megabytes": megabytes,
+              "results": results}  # fmt: skip
+    (out / "prefetch-distance.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Block matmul: how far ahead to prefetch",
+        "",
+        f"Command: `.venv/bin/python benchmarks/scripts/prefetch_distance.py {out.name}`; 2 "
+        f"threads, median of {ROUNDS} interleaved rounds. CPU flags: {' '.join(cpu_flags())}.",
+        "",
+        f"{LAYERS} layers of the default model's projections as Q4 blocks ({megabytes:.1f} MB, "
+        "far past the caches), one call per projection (the Python call is in the time). "
+        "Prefetch distance in blocks of the stream: 0 fetches the block in hand (no "
+        "look-ahead, as the AVX2 build did before), 4 was the AVX-512 build's, 32 the default.",
+        "",
+        "| build | rows | 0 blocks (ms) | 4 blocks (ms) | 32 blocks (ms) | GB/s at 32 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for build in BUILDS:
+        for rows in ROWS:
+            cell = {r["prefetch_blocks"]: r for r in results
+                    if r["build"] == build and r["rows"] == rows}  # fmt: skip
+            lines.append(
+                f"| {build} | {rows} | {cell[0]['ms']:.2f} | {cell[4]['ms']:.2f} | "
+                f"{cell[32]['ms']:.2f} | {cell[32]['gb_per_s']:.1f} |"
+            )
+    (out / "prefetch-distance.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
