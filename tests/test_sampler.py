@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from forklift.core.request import Request
+from forklift.native import build as native_build
+from forklift.native.hashed_noise import NativeHashedUniform
 from forklift.sampling.metadata import SamplingBatch
-from forklift.sampling.sampler import apply_penalties, first_max_index, hashed_uniform, sample
+from forklift.sampling.sampler import (
+    apply_penalties,
+    first_max_index,
+    hashed_uniform,
+    hashed_uniform_torch,
+    sample,
+)
 from forklift.sampling_params import SamplingParams
 
 
@@ -43,6 +51,21 @@ def test_hashed_noise_is_uniform_and_depends_only_on_seed_and_step():
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     alone = hashed_uniform(seeds[:1], steps[:1], 50_000)
     assert torch.equal(alone[0], u[0])
+
+
+@pytest.mark.parametrize("arch", [None, ("-march=x86-64-v3",), ("-march=x86-64",)])
+def test_the_native_noise_is_the_torch_expressions_bit_for_bit(arch):
+    """Seeded sampling draws the same tokens whichever computes the noise: the C kernel
+    (this CPU's build, AVX2's, plain x86-64's) or the PyTorch operators."""
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    kernel = NativeHashedUniform.load(arch)
+    assert kernel is not None
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321, 42])
+    steps = torch.tensor([0, 5, 7, 2**40, 3, -2, 1, 100000])
+    for vocab in (1, 31, 49152):
+        assert torch.equal(kernel(seeds, steps, vocab), hashed_uniform_torch(seeds, steps, vocab))
+    assert torch.equal(hashed_uniform(seeds, steps, 1000), hashed_uniform_torch(seeds, steps, 1000))
 
 
 def test_greedy_rows_take_the_argmax():

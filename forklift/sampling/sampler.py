@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forklift.native.hashed_noise import native_hashed_uniform
 from forklift.sampling.metadata import SamplingBatch
 
 _MASK_63 = (1 << 63) - 1
@@ -176,7 +177,17 @@ def _apply_top_k_top_p(
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform(0, 1) noise [N, vocab] from a stateless hash of (seed, step, token id)."""
+    """Uniform(0, 1) noise [N, vocab] from a stateless hash of (seed, step, token id); on a
+    CPU through the native kernel where one builds (the same values, in one pass)."""
+    if seeds.device.type == "cpu":
+        kernel = native_hashed_uniform()
+        if kernel is not None:
+            return kernel(seeds, steps, vocab)
+    return hashed_uniform_torch(seeds, steps, vocab)
+
+
+def hashed_uniform_torch(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`hashed_uniform` as PyTorch operators (any device)."""
     token = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
     # Constants above 2**63 are written as their negative int64 twins.
     x = (seeds[:, None] * 0x2545F4914F6CDD1D) ^ (steps[:, None] * -0x61C8864680B583EB)
