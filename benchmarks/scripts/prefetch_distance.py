@@ -10,7 +10,6 @@ Run: .venv/bin/python benchmarks/scripts/prefetch_distance.py [OUT_SUBDIR]
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from forklift.bench.report import cpu_flags
+from forklift.bench.report import cpu_flags, write_report_files
 from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -60,31 +59,36 @@ def main() -> None:
                                 "gb_per_s": megabytes / ms})  # fmt: skip
                 print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "threads": 2, "rounds": ROUNDS, "megabytes": megabytes,
+              "command": f".venv/bin/python benchmarks/scripts/prefetch_distance.py {out.name}",
               "results": results}  # fmt: skip
-    (out / "prefetch-distance.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report_files(report, out, "prefetch-distance", render_markdown, plot=None)
+
+
+def render_markdown(report: dict) -> str:
     lines = [
         "# Block matmul: how far ahead to prefetch",
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/prefetch_distance.py {out.name}`; 2 "
-        f"threads, median of {ROUNDS} interleaved rounds. CPU flags: {' '.join(cpu_flags())}.",
+        f"Command: `{report['command']}`; 2 threads, median of {report['rounds']} interleaved "
+        f"rounds. CPU flags: {' '.join(report['cpu_flags'])}.",
         "",
-        f"{LAYERS} layers of the default model's projections as Q4 blocks ({megabytes:.1f} MB, "
-        "far past the caches), one call per projection (the Python call is in the time). "
-        "Prefetch distance in blocks of the stream: 0 fetches the block in hand (no "
-        "look-ahead, as the AVX2 build did before), 4 was the AVX-512 build's, 32 the default.",
+        f"{LAYERS} layers of the default model's projections as Q4 blocks "
+        f"({report['megabytes']:.1f} MB, far past the caches), one call per projection (the "
+        "Python call is in the time). Prefetch distance in blocks of the stream: 0 fetches the "
+        "block in hand (no look-ahead, as the AVX2 build did before), 4 was the AVX-512 "
+        "build's, 32 the default.",
         "",
         "| build | rows | 0 blocks (ms) | 4 blocks (ms) | 32 blocks (ms) | GB/s at 32 |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for build in BUILDS:
         for rows in ROWS:
-            cell = {r["prefetch_blocks"]: r for r in results
+            cell = {r["prefetch_blocks"]: r for r in report["results"]
                     if r["build"] == build and r["rows"] == rows}  # fmt: skip
             lines.append(
                 f"| {build} | {rows} | {cell[0]['ms']:.2f} | {cell[4]['ms']:.2f} | "
                 f"{cell[32]['ms']:.2f} | {cell[32]['gb_per_s']:.1f} |"
             )
-    (out / "prefetch-distance.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
