@@ -9,13 +9,12 @@ import torch
 
 from forklift.core.request import Request
 from forklift.native import build as native_build
-from forklift.native.hashed_noise import NativeHashedUniform
+from forklift.native.seeded_sample import NativeSeededSampler
 from forklift.sampling.metadata import SamplingBatch
 from forklift.sampling.sampler import (
     apply_penalties,
     first_max_index,
     hashed_uniform,
-    hashed_uniform_torch,
     sample,
 )
 from forklift.sampling_params import SamplingParams
@@ -53,19 +52,55 @@ def test_hashed_noise_is_uniform_and_depends_only_on_seed_and_step():
     assert torch.equal(alone[0], u[0])
 
 
-@pytest.mark.parametrize("arch", [None, ("-march=x86-64-v3",), ("-march=x86-64",)])
-def test_the_native_noise_is_the_torch_expressions_bit_for_bit(arch):
-    """Seeded sampling draws the same tokens whichever computes the noise: the C kernel
-    (this CPU's build, AVX2's, plain x86-64's) or the PyTorch operators."""
+ARCHES = [None, ("-march=x86-64-v3",), ("-march=x86-64",)]
+SEEDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321, 42])
+STEPS = torch.tensor([0, 5, 7, 2**40, 3, -2, 1, 100000])
+
+
+def native_sampler(arch) -> NativeSeededSampler:  # noqa: ANN001
     if native_build.find_compiler() is None:
         pytest.skip("no C compiler on this machine")
-    kernel = NativeHashedUniform.load(arch)
+    kernel = NativeSeededSampler.load(arch)
     assert kernel is not None
-    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321, 42])
-    steps = torch.tensor([0, 5, 7, 2**40, 3, -2, 1, 100000])
-    for vocab in (1, 31, 49152):
-        assert torch.equal(kernel(seeds, steps, vocab), hashed_uniform_torch(seeds, steps, vocab))
-    assert torch.equal(hashed_uniform(seeds, steps, 1000), hashed_uniform_torch(seeds, steps, 1000))
+    return kernel
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_native_sampler_hashes_the_torch_expressions_noise(arch):
+    """On flat logits the Gumbel-max draw is the token with the largest uniform: the C
+    kernel (this CPU's build, AVX2's, plain x86-64's) makes the PyTorch expression's bits."""
+    kernel = native_sampler(arch)
+    for vocab in (1, 31, 3000):
+        u = hashed_uniform(SEEDS, STEPS, vocab)
+        flat = torch.zeros(len(SEEDS), vocab)
+        drawn = kernel(flat, torch.ones(len(SEEDS)), SEEDS, STEPS, with_logprobs=True)
+        assert torch.equal(drawn.token_ids, first_max_index(u))
+        assert drawn.logprobs == pytest.approx([-math.log(vocab)] * len(SEEDS), abs=1e-5)
+        assert torch.equal(drawn.ranks, torch.ones(len(SEEDS), dtype=torch.int64))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_native_sampler_draws_what_the_torch_operators_draw(arch):
+    """Greedy and tempered rows, -inf (masked) tokens, a vocabulary of odd size: the same
+    tokens as log-of-log noise in float64 picks, logprobs and ranks as log_softmax's."""
+    kernel = native_sampler(arch)
+    generator = torch.Generator().manual_seed(3)
+    rows, vocab = len(SEEDS), 49157
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    logits[:, ::7] = float("-inf")
+    temperature = torch.tensor([0.0, 1.0, 0.3, 2.0, 0.0, 0.7, 1.5, 1.0])
+    drawn = kernel(logits, temperature, SEEDS, STEPS, with_logprobs=True)
+    scaled = logits.double() / torch.where(temperature > 0, temperature, 1.0).double()[:, None]
+    gumbel = -torch.log(-torch.log(hashed_uniform(SEEDS, STEPS, vocab).double()))
+    drawn_rows = first_max_index(scaled + gumbel)
+    expected = torch.where(temperature > 0, drawn_rows, first_max_index(logits))
+    assert torch.equal(drawn.token_ids, expected)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    chosen = logprobs.gather(1, expected[:, None])
+    assert drawn.logprobs.double() == pytest.approx(chosen[:, 0], abs=2e-5)
+    assert torch.equal(drawn.ranks, (logprobs > chosen).sum(dim=-1) + 1)
+    tokens_only = kernel(logits, temperature, SEEDS, STEPS, with_logprobs=False)
+    assert torch.equal(tokens_only.token_ids, expected) and tokens_only.logprobs is None
 
 
 def test_greedy_rows_take_the_argmax():
@@ -188,3 +223,48 @@ def test_noise_stays_below_one_so_gumbel_is_finite():
     assert float(uniform[0, 17196]) == 1.0 - 2.0**-24 and bool((uniform < 1).all())
     gumbel = -torch.log(-torch.log(uniform))
     assert bool(torch.isfinite(gumbel).all())
+    if native_build.find_compiler() is not None:
+        # The native draw: that token wins flat logits, and loses once it is masked.
+        kernel = native_sampler(None)
+        flat = torch.zeros(1, 49152)
+        assert kernel(flat, torch.ones(1), seeds, steps, False).token_ids.tolist() == [17196]
+        flat[0, 17196] = float("-inf")
+        assert kernel(flat, torch.ones(1), seeds, steps, False).token_ids.tolist() != [17196]
+
+
+def test_the_native_and_the_pytorch_paths_sample_alike(monkeypatch):
+    """Every kind of row in one batch: the same tokens, logprobs and ranks whether the
+    native kernel draws or PyTorch's operators do (where no compiler works)."""
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    params = [
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.8, logprobs=0),
+        SamplingParams(temperature=1.2, top_k=50, logprobs=0),
+        SamplingParams(temperature=0.9, top_p=0.8, logprobs=2),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, logprobs=1, logprobs_mode="raw"),
+        SamplingParams(temperature=0.0),
+    ]
+    generator = torch.Generator().manual_seed(5)
+    for subset in (slice(0, 2), slice(0, 3), slice(0, 8), slice(4, 6)):
+        chosen = params[subset]
+        logits = torch.randn(len(chosen), 5000, generator=generator) * 3
+        batch = batch_for(
+            chosen, outputs=[[7, 9]] * len(chosen), seeds=[11, 12, 13, 14, 15, 16, 17, 18][subset]
+        )
+        native = sample(logits, batch)
+        monkeypatch.setattr("forklift.sampling.sampler.native_seeded_sampler", lambda: None)
+        reference = sample(logits, batch)
+        monkeypatch.undo()
+        assert native.token_ids == reference.token_ids
+        if reference.logprobs is None:
+            assert native.logprobs is None
+        else:
+            assert native.logprobs == pytest.approx(reference.logprobs, abs=2e-5)
+        if reference.top_logprobs is not None:
+            flat = [value for row in native.top_logprobs for value in row]
+            expected = [value for row in reference.top_logprobs for value in row]
+            assert flat == pytest.approx(expected, abs=2e-5)
+        assert native.ranks == reference.ranks and native.top_ids == reference.top_ids

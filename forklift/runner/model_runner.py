@@ -38,8 +38,8 @@ from forklift.native.decode_step import (
     StepBinding,
     unsupported_reason,
 )
-from forklift.native.hashed_noise import native_hashed_uniform
 from forklift.native.quant_matmul import QuantMatmulKernel
+from forklift.native.seeded_sample import native_seeded_sampler
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
@@ -139,7 +139,7 @@ class ModelRunner:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
         self.native_step = self._load_native_step()
         if self.device.type == "cpu":
-            native_hashed_uniform()  # the sampler's noise kernel: built now, not mid-request
+            native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
         self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
         self._weight_updater = WeightUpdater(self.model)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forklift.native.hashed_noise import native_hashed_uniform
+from forklift.native.seeded_sample import NativeSeededSampler, native_seeded_sampler
 from forklift.sampling.metadata import SamplingBatch
 
 _MASK_63 = (1 << 63) - 1
@@ -50,6 +50,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = torch.where(emptied, allowed, logits)
     if batch.needs_penalties:
         logits = apply_penalties(logits, batch)
+    kernel = native_seeded_sampler() if logits.device.type == "cpu" else None
+    if kernel is not None:
+        return _sample_natively(kernel, raw, logits, batch)
     token_ids = first_max_index(logits)
     processed = logits
     if not batch.all_greedy:
@@ -65,6 +68,33 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if bool(batch.raw_logprobs.any()):
             processed = torch.where(batch.raw_logprobs[:, None], raw, processed)
         _attach_logprobs(out, torch.log_softmax(processed, dim=-1), token_ids, num_logprobs)
+    return out
+
+
+def _sample_natively(
+    kernel: NativeSeededSampler, raw: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch
+) -> SamplerOutput:
+    """`sample`'s draw in one native pass per row; the same rule as the PyTorch operators
+    below, with the Gumbel noise's logarithms computed to a few float ulps."""
+    num_logprobs = batch.max_num_logprobs
+    greedy = batch.temperature == 0
+    source, temperature = logits, batch.temperature
+    if not batch.all_greedy and (batch.needs_top_k_top_p or batch.needs_min_p):
+        # Truncation stays in PyTorch; the kernel draws from its result (x / 1 is x).
+        source = torch.where(greedy[:, None], logits, _process_for_sampling(logits, batch))
+        temperature = (~greedy).to(torch.float32)
+    raw_rows = num_logprobs is not None and bool(batch.raw_logprobs.any())
+    chosen_only = num_logprobs == 0 and not raw_rows
+    drawn = kernel(source, temperature, batch.seeds, batch.steps, with_logprobs=chosen_only)
+    out = SamplerOutput(drawn.token_ids.tolist(), None, None, None, None)
+    if chosen_only:
+        out.logprobs = drawn.logprobs.tolist()
+        out.ranks = drawn.ranks.tolist()
+    elif num_logprobs is not None:
+        processed = source / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if raw_rows:
+            processed = torch.where(batch.raw_logprobs[:, None], raw, processed)
+        _attach_logprobs(out, torch.log_softmax(processed, dim=-1), drawn.token_ids, num_logprobs)
     return out
 
 
@@ -177,17 +207,8 @@ def _apply_top_k_top_p(
 
 
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform(0, 1) noise [N, vocab] from a stateless hash of (seed, step, token id); on a
-    CPU through the native kernel where one builds (the same values, in one pass)."""
-    if seeds.device.type == "cpu":
-        kernel = native_hashed_uniform()
-        if kernel is not None:
-            return kernel(seeds, steps, vocab)
-    return hashed_uniform_torch(seeds, steps, vocab)
-
-
-def hashed_uniform_torch(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """`hashed_uniform` as PyTorch operators (any device)."""
+    """Uniform(0, 1) noise [N, vocab] from a stateless hash of (seed, step, token id): the
+    PyTorch path's noise, and the same bits as native/csrc/hashed_noise.h makes."""
     token = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
     # Constants above 2**63 are written as their negative int64 twins.
     x = (seeds[:, None] * 0x2545F4914F6CDD1D) ^ (steps[:, None] * -0x61C8864680B583EB)
