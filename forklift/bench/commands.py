@@ -241,7 +241,8 @@ def grpo_command(args: argparse.Namespace) -> int:
     report = run_grpo_bench(config, hf_steps, log=lambda line: print(line, flush=True))
     command = _command("grpo", args.quick)
     command += _given(args, "model", "steps", "prompts_per_step", "group_size", "max_tokens",
-                      "temperature", "learning_rate", "kl_coef", "seed", "hf_steps")  # fmt: skip
+                      "temperature", "learning_rate", "kl_coef", "seed", "hf_steps",
+                      "rollout_dtype")  # fmt: skip
     command += ["--task", args.task] if args.task != "arithmetic" else []
     _publish(report, command, args.out_dir, write_report, render_markdown)
     return 0

@@ -34,6 +34,12 @@ def add_grpo_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="train a LoRA adapter of this rank instead of every weight (needs peft)",
     )
+    parser.add_argument(
+        "--rollout-dtype",
+        default=None,
+        help="what rollouts compute in: auto (bfloat16 where fast, else float32), "
+        "float32, bfloat16, float16",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run (a few steps)")
 
 
@@ -42,7 +48,8 @@ def config_from_args(args: argparse.Namespace, **extra: object) -> GRPOConfig:
 
     values = dict(QUICK) if args.quick else {}
     for name in ("model", "task", "steps", "prompts_per_step", "group_size", "max_tokens",
-                 "temperature", "learning_rate", "kl_coef", "seed", "lora_rank"):  # fmt: skip
+                 "temperature", "learning_rate", "kl_coef", "seed", "lora_rank",
+                 "rollout_dtype"):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             values[name] = value

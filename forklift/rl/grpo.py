@@ -21,12 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from forklift.cpu import cpu_has_fast_bf16
 from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
 from forklift.lora_request import LoRARequest
 from forklift.model.lora import TARGET_OWNERS
 from forklift.rl.rollouts import Rollout, forklift_rollouts, hf_rollouts
 from forklift.rl.tasks import get_task
+
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -49,6 +52,10 @@ class GRPOConfig:
     max_model_len: int = 512
     # > 0: train a LoRA adapter of this rank (alpha = 2 x rank) instead of every weight.
     lora_rank: int = 0
+    # What rollouts compute in, on either side (the policy trains in float32): "auto" is
+    # bfloat16 where the hardware has fast bf16, else float32. The engine keeps the pushed
+    # weights dense in this dtype (no quantization), so it samples the policy just trained.
+    rollout_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.rollout not in ("forklift", "hf"):
@@ -66,6 +73,18 @@ class GRPOConfig:
             raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")
         if self.lora_rank and self.rollout != "forklift":
             raise ValueError("lora_rank runs with forklift rollouts only")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(
+                f"rollout_dtype must be one of {', '.join(ROLLOUT_DTYPES)}, "
+                f"got {self.rollout_dtype!r}"
+            )
+
+    def resolved_rollout_dtype(self) -> torch.dtype:
+        if self.rollout_dtype != "auto":
+            return getattr(torch, self.rollout_dtype)
+        if torch.cuda.is_available():
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 @dataclass
@@ -135,9 +154,11 @@ class GRPOTrainer:
         lora_settings = (
             {"enable_lora": True, "max_lora_rank": config.lora_rank} if config.lora_rank else {}
         )
+        self.rollout_dtype = config.resolved_rollout_dtype()
         self.llm = llm or LLM(
             model=config.model,
-            dtype="float32",
+            dtype=str(self.rollout_dtype).removeprefix("torch."),
+            quantization="none",
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             **lora_settings,
@@ -147,6 +168,13 @@ class GRPOTrainer:
             raise ValueError("GRPO needs a model with a tokenizer for its prompts and checker")
         self.tokenizer = engine.tokenizer
         self.policy = load_hf_model(engine.model_source, engine.model_config, torch.float32)
+        # HF rollouts in another dtype sample a copy, refreshed after each update like the
+        # engine's weights (and timed the same way).
+        self.hf_sampler = (
+            load_hf_model(engine.model_source, engine.model_config, self.rollout_dtype)
+            if config.rollout == "hf" and self.rollout_dtype != torch.float32
+            else None
+        )
         self.lora: LoRARequest | None = None
         if config.lora_rank:
             self.policy, self.lora = self._attach_adapter(config.lora_rank)
@@ -190,6 +218,8 @@ class GRPOTrainer:
             self.llm.update_weights(
                 (name, tensor.detach()) for name, tensor in self.policy.state_dict().items()
             )
+        elif self.hf_sampler is not None:
+            self.hf_sampler.load_state_dict(self.policy.state_dict())
         return time.perf_counter() - start
 
     def step(self, index: int) -> StepStats:
@@ -205,8 +235,8 @@ class GRPOTrainer:
         else:
             self.policy.eval()
             rollouts = hf_rollouts(
-                self.policy, self.tokenizer, prompts, cfg.group_size, cfg.temperature,
-                cfg.max_tokens, seed,
+                self.hf_sampler or self.policy, self.tokenizer, prompts, cfg.group_size,
+                cfg.temperature, cfg.max_tokens, seed,
             )  # fmt: skip
         generation_s = time.perf_counter() - start
         for r in rollouts:
