@@ -23,6 +23,7 @@ def run_grpo_bench(config: GRPOConfig, hf_steps: int, log=print) -> dict[str, An
     fk_trainer = GRPOTrainer(replace(config, rollout="forklift"))
     forklift_steps = fk_trainer.run(lambda s: log("forklift " + s.line()))
     llm = fk_trainer.llm
+    rollout_dtype = str(fk_trainer.rollout_dtype).removeprefix("torch.")
     del fk_trainer
     hf_trainer = GRPOTrainer(replace(config, rollout="hf", steps=hf_steps), llm=llm)
     hf_history = hf_trainer.run(lambda s: log("hf       " + s.line()))
@@ -41,6 +42,7 @@ def run_grpo_bench(config: GRPOConfig, hf_steps: int, log=print) -> dict[str, An
     return {
         "benchmark": "grpo",
         "config": asdict(config),
+        "rollout_dtype": rollout_dtype,
         "hf_steps": hf_steps,
         "compared_steps": compared,
         "forklift": [asdict(s) for s in forklift_steps],
@@ -70,7 +72,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"per step, up to {cfg['max_tokens']} tokens, temperature {cfg['temperature']}, "
         f"AdamW lr {cfg['learning_rate']}, clip {cfg['clip_eps']}, KL {cfg['kl_coef']}. "
         "The policy trains in PyTorch (HF transformers model, fp32); after every optimizer "
-        "step its weights go into the engine with `update_weights`.",
+        "step its weights go into the engine with `update_weights`. Rollouts on both sides "
+        f"compute in {report.get('rollout_dtype', 'float32')}: the engine keeps the pushed "
+        "weights dense in it, HF generates from a copy refreshed after each update.",
         "",
         f"## Time per step (mean of the first {report['compared_steps']} steps, both sides)",
         "",

@@ -17,24 +17,7 @@
 #define FORKLIFT_PAGED_ATTENTION_H
 
 #include "common.h"
-
-/* exp(x) for x <= 0 as plain arithmetic the compiler vectorises (libm's expf is a call per
- * element): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error about 2e-7. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504f + 0.5f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.98756912e-4f;
-    p = p * r + 1.39819994e-3f;
-    p = p * r + 8.33345205e-3f;
-    p = p * r + 4.16657962e-2f;
-    p = p * r + 1.66666657e-1f;
-    p = p * r + 5.0e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
+#include "fast_math.h"
 
 /* Rows are fetched this many positions ahead: blocks lie anywhere in the cache, so the
  * hardware prefetcher loses the stream at every block boundary. */

@@ -4,67 +4,16 @@
  * log_softmax(logits / temperature) and its rank. As PyTorch operators this is a dozen
  * passes over [rows, vocab] temporaries; here the noise is made where it is used.
  *
- * The logarithms and the exponential are polynomials written for the compiler to vectorise
- * (libm's calls are not): within a few float ulps of libm, which can decide a draw only
- * where two tokens' noisy scores tie to that precision. */
+ * The logarithms and the exponential are fast_math.h's polynomials: within a few float ulps
+ * of libm, which can decide a draw only where two tokens' noisy scores tie that closely. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "fast_math.h"
 #include "hashed_noise.h"
 
 #define CHUNK 1024 /* scores kept per pass: the first maximum is searched in this buffer */
-
-static inline float bits_as_float(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint32_t float_bits(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return bits;
-}
-
-/* log(x) for a normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)), and
- * log(m) = 2 atanh(s) with s = (m - 1) / (m + 1), |s| < 0.172: the odd series to s^9
- * leaves a relative error under 3e-9. */
-static inline float positive_log(float x) {
-    const uint32_t bits = float_bits(x);
-    const int32_t e = (int32_t)(bits - 0x3f3504f3u) >> 23; /* 0x3f3504f3: sqrt(1/2) */
-    const float m = bits_as_float(bits - ((uint32_t)e << 23));
-    const float s = (m - 1.0f) / (m + 1.0f);
-    const float s2 = s * s;
-    const float series =
-        s * (2.0f + s2 * (2.0f / 3 + s2 * (2.0f / 5 + s2 * (2.0f / 7 + s2 * (2.0f / 9)))));
-    /* ln 2 split so that e * hi is exact. */
-    return (float)e * 0.693145751953125f + (series + (float)e * 1.428606765330187e-6f);
-}
-
-/* max(x, floor) for a non-NaN x, as a bit select: GCC does not vectorise a loop around
- * the plain comparison's select (it keeps NaN's ordering rules). */
-static inline float at_least(float x, float floor) {
-    const uint32_t keep = 0u - (uint32_t)(x > floor);
-    return bits_as_float((float_bits(x) & keep) | (float_bits(floor) & ~keep));
-}
-
-/* exp(x) for x <= 0 (-inf and anything below -87 give about 1e-38, nothing in a sum of at
- * least 1): x = n ln 2 + r with |r| <= ln 2 / 2, exp(r) by its Taylor series to r^7. */
-static inline float nonpositive_exp(float x) {
-    x = at_least(x, -87.0f);
-    /* n = round(x / ln 2) by adding and removing 1.5 * 2^23 (floorf does not vectorise). */
-    const float n = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
-    const float p =
-        1.0f +
-        r * (1.0f +
-             r * (0.5f +
-                  r * (1.0f / 6 +
-                       r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
-    return p * bits_as_float((uint32_t)((int32_t)n + 127) << 23);
-}
 
 /* The first index in [0, n) holding `value`, which is there. */
 static inline int64_t first_index_of(const float *values, int64_t n, float value) {
@@ -91,7 +40,7 @@ static void sample_row(const float *logits, int64_t vocab, float temperature, ui
 #pragma omp simd reduction(max : chunk_best, chunk_max)
             for (int64_t i = 0; i < n; i++) {
                 const float p = x[i] / temperature;
-                const float score = p - positive_log(-positive_log(scores[i]));
+                const float score = p - log_positive(-log_positive(scores[i]));
                 scores[i] = score;
                 chunk_max = p > chunk_max ? p : chunk_max;
                 chunk_best = score > chunk_best ? score : chunk_best;
@@ -122,7 +71,7 @@ static void sample_row(const float *logits, int64_t vocab, float temperature, ui
         float chunk_total = 0.0f;
         int32_t chunk_above = 0;
 #pragma omp simd reduction(+ : chunk_total)
-        for (int64_t i = 0; i < n; i++) chunk_total += nonpositive_exp(scores[i] - row_max);
+        for (int64_t i = 0; i < n; i++) chunk_total += exp_nonpositive(scores[i] - row_max);
 #pragma omp simd reduction(+ : chunk_above)
         for (int64_t i = 0; i < n; i++) chunk_above += scores[i] > chosen ? 1 : 0;
         total += chunk_total;
