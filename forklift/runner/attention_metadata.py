@@ -26,6 +26,8 @@ def build_attention_metadata(
     Key tensors are at least `min_kv_width` wide (captured steps need a fixed shape).
 
     Returns the metadata and each token's position (the rotary embedding needs them too)."""
+    if sliding_window is None and bool((query_lens == 1).all()):
+        return _decode_metadata(starts, block_table, block_size, device, min_kv_width)
     num_tokens = int(query_lens.sum())
     first_token = np.cumsum(query_lens) - query_lens
     seq_of_token = np.repeat(np.arange(len(starts)), query_lens)
@@ -51,6 +53,41 @@ def build_attention_metadata(
         if members.any()
     ]
     return AttentionMetadata(_tensor(slot_mapping, device), groups), positions
+
+
+def _decode_metadata(
+    starts: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+    min_kv_width: int,
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """`build_attention_metadata` for a step of decode rows only (one token each, no
+    window): the same tensors, in a handful of operations (a decode step's host time is
+    worth saving: it is a tenth of a single stream's step)."""
+    count = len(starts)
+    rows = np.arange(count)
+    slot_mapping = block_table[rows, starts // block_size] * block_size + starts % block_size
+    num_blocks = max(
+        int(starts.max()) // block_size + 1, -(-min_kv_width // block_size), DECODE_MIN_BLOCKS
+    )
+    kv_blocks = np.zeros((count, num_blocks), dtype=np.int64)
+    width = min(num_blocks, block_table.shape[1])
+    kv_blocks[:, :width] = block_table[:, :width]
+    mask = np.where(
+        np.arange(num_blocks * block_size)[None, :] <= starts[:, None],
+        np.float32(0),
+        np.float32(-np.inf),
+    )
+    index = _tensor(rows, device)
+    group = AttentionGroup(
+        query_index=index[:, None],
+        padded_index=index,
+        token_index=index,
+        kv_blocks=_tensor(kv_blocks, device),
+        mask=_tensor(mask[:, None, None, :], device),
+    )
+    return AttentionMetadata(_tensor(slot_mapping, device), [group]), starts.copy()
 
 
 def _group(

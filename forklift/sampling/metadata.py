@@ -40,27 +40,12 @@ class SamplingBatch:
     logit_bias: list[dict[int, float] | None] | None = None
     allowed_token_ids: list[list[int] | None] | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
-
-    @property
-    def needs_top_k_top_p(self) -> bool:
-        return bool(((self.top_k > 0) | (self.top_p < 1)).any())
-
-    @property
-    def needs_min_p(self) -> bool:
-        return bool((self.min_p > 0).any())
-
-    @property
-    def needs_penalties(self) -> bool:
-        return bool(
-            (
-                (self.repetition_penalty != 1)
-                | (self.presence_penalty != 0)
-                | (self.frequency_penalty != 0)
-            ).any()
-        )
+    # What the batch needs at all, worked out once from the rows' values (float32, as the
+    # tensors hold them): the sampler skips every stage no row asks for.
+    all_greedy: bool = True
+    needs_top_k_top_p: bool = False
+    needs_min_p: bool = False
+    needs_penalties: bool = False
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -75,22 +60,31 @@ class SamplingBatch:
         params = [r.params for r in rows]
         grammar_rows, token_bitmask = _grammar_bitmask(rows, vocab_size, device)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def longs(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # One array per type, each setting a contiguous row: two tensors built, not nine.
+        floats = np.array(
+            [[p.temperature for p in params], [p.top_p for p in params],
+             [p.min_p for p in params], [p.repetition_penalty for p in params],
+             [p.presence_penalty for p in params], [p.frequency_penalty for p in params]],
+            dtype=np.float32,
+        ).reshape(6, len(rows))  # fmt: skip
+        longs = np.array(
+            [[max(p.top_k, 0) for p in params], [r.seed for r in rows],
+             [r.num_output_tokens for r in rows]],
+            dtype=np.int64,
+        ).reshape(3, len(rows))  # fmt: skip
+        float_rows = torch.from_numpy(floats).to(device)
+        long_rows = torch.from_numpy(longs).to(device)
+        temperature, top_p, min_p, repetition, presence, frequency = floats
         return cls(
-            temperature=floats([p.temperature for p in params]),
-            top_p=floats([p.top_p for p in params]),
-            top_k=longs([max(p.top_k, 0) for p in params]),
-            min_p=floats([p.min_p for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
-            seeds=longs([r.seed for r in rows]),
-            steps=longs([r.num_output_tokens for r in rows]),
+            temperature=float_rows[0],
+            top_p=float_rows[1],
+            top_k=long_rows[0],
+            min_p=float_rows[2],
+            repetition_penalty=float_rows[3],
+            presence_penalty=float_rows[4],
+            frequency_penalty=float_rows[5],
+            seeds=long_rows[1],
+            steps=long_rows[2],
             banned_token_ids=[_banned_tokens(r) for r in rows],
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
@@ -98,6 +92,10 @@ class SamplingBatch:
             raw_logprobs=torch.tensor(
                 [p.logprobs_mode == "raw" for p in params], dtype=torch.bool, device=device
             ),
+            all_greedy=not bool(temperature.any()),
+            needs_top_k_top_p=bool(longs[0].any() or (top_p < 1).any()),
+            needs_min_p=bool((min_p > 0).any()),
+            needs_penalties=bool((repetition != 1).any() or presence.any() or frequency.any()),
             grammar_rows=grammar_rows,
             token_bitmask=token_bitmask,
             logit_bias=_per_row([p.logit_bias for p in params]),

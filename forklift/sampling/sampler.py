@@ -77,10 +77,10 @@ def _sample_natively(
     """`sample`'s draw in one native pass per row; the same rule as the PyTorch operators
     below, with the Gumbel noise's logarithms computed to a few float ulps."""
     num_logprobs = batch.max_num_logprobs
-    greedy = batch.temperature == 0
     source, temperature = logits, batch.temperature
     if not batch.all_greedy and (batch.needs_top_k_top_p or batch.needs_min_p):
         # Truncation stays in PyTorch; the kernel draws from its result (x / 1 is x).
+        greedy = batch.temperature == 0
         source = torch.where(greedy[:, None], logits, _process_for_sampling(logits, batch))
         temperature = (~greedy).to(torch.float32)
     raw_rows = num_logprobs is not None and bool(batch.raw_logprobs.any())
