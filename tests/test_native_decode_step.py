@@ -14,6 +14,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from forklift import LLM, SamplingParams
+from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.native import build as native_build
 from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.structured.params import StructuredOutputsParams
@@ -72,11 +73,26 @@ def test_native_step_equals_the_pytorch_layers(tmp_path, arch):
     assert reference.llm_engine.runner.native_steps == 0
 
 
+def test_native_steps_past_the_block_kernels_rows_keep_each_rows_result(tmp_path):
+    """More rows than the PyTorch layers' block kernels take (there such steps run the dense
+    weights): the native step's rows come out as they do in small native steps."""
+    make_tiny_model("llama", tmp_path)
+    # Prompts of more tokens than the block kernels' rows: every prefill, alone or batched,
+    # runs the dense weights, so both engines start their decodes from the same K/V.
+    prompts = [[3 + i, 11, 7 + i % 5, *range(20, 34)] for i in range(BLOCK_MAX_ROWS + 5)]
+    together = _int4_engine(tmp_path)
+    rows = _generate(together, prompts, 6)
+    assert together.llm_engine.runner.native_steps == 5  # each of 21 rows
+    apart = _int4_engine(tmp_path, max_num_seqs=4)
+    _assert_same(rows, _generate(apart, prompts, 6))
+
+
 def test_steps_beyond_its_rows_take_the_pytorch_path(tmp_path):
     make_tiny_model("llama", tmp_path)
-    native = _int4_engine(tmp_path)
-    reference = _without_native_step(_int4_engine(tmp_path))
-    prompts = [[3 + i, 11, 7] for i in range(NATIVE_STEP_MAX_ROWS + 4)]
+    seqs = NATIVE_STEP_MAX_ROWS + 4
+    native = _int4_engine(tmp_path, max_num_seqs=seqs)
+    reference = _without_native_step(_int4_engine(tmp_path, max_num_seqs=seqs))
+    prompts = [[3 + i, 11, 7] for i in range(seqs)]
     _assert_same(_generate(native, prompts, 6), _generate(reference, prompts, 6))
     # Too many rows for one native step: those steps ran the PyTorch layers.
     assert native.llm_engine.runner.native_steps == 0

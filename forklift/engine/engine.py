@@ -40,7 +40,7 @@ from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
-from forklift.spec_decode.draft_budget import drafts_worth_verifying
+from forklift.spec_decode.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
 from forklift.spec_decode.proposer import accepted_prefix, make_proposer
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
@@ -574,7 +574,7 @@ class LLMEngine:
             return
         spare_rows = None
         if self.runner.native_step is not None:
-            spare_rows = NATIVE_STEP_MAX_ROWS - len(running)
+            spare_rows = min(NATIVE_STEP_MAX_ROWS, VERIFY_MAX_ROWS) - len(running)
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue

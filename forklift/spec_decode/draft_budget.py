@@ -17,6 +17,9 @@ import math
 from dataclasses import dataclass
 
 ROW_COST_RATIO = 5.0
+# Drafts keep a step within this many rows (decode rows and drafts together), the native
+# step's limit when ROW_COST_RATIO and the drafting rules were measured.
+VERIFY_MAX_ROWS = 16
 # Recent verifications weigh more: each one keeps this much of the older evidence.
 DECAY = 0.8
 # The estimate starts (and drifts back, while no drafts are tried) at 2 accepted in 3: a
