@@ -8,6 +8,7 @@ import pytest
 
 from forklift.bench.step_profile import CATEGORIES, categorize
 from forklift.cli import main
+from forklift.native import build as native_build
 
 
 def test_operators_fall_into_their_buckets():
@@ -15,6 +16,7 @@ def test_operators_fall_into_their_buckets():
     assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert categorize("aten::index_select") == "attention"
     assert categorize("aten::argmax") == categorize("aten::max") == "sampling"  # greedy picks
+    assert categorize("forklift::native_seeded_sample") == "sampling"
     assert categorize("aten::silu") == "other ops"
     assert categorize("aten::_weight_int4pack_mm_for_cpu") == "matrix"
     # The in-place decode attention kernel is the compiled graph of an eager step.
@@ -32,5 +34,7 @@ def test_profile_report_adds_up(tmp_path):
         assert list(parts) == list(CATEGORIES)
         assert all(value >= 0 for value in parts.values())
         assert parts["matrix"] > 0
+        if native_build.find_compiler() is not None:
+            assert parts["sampling"] > 0  # the native sampler's named call
         # The buckets account for the whole step.
         assert sum(parts.values()) == pytest.approx(breakdown["wall_ms_per_step"], rel=1e-6)

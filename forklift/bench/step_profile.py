@@ -23,6 +23,7 @@ from forklift.llm import LLM
 from forklift.native.decode_attention import PROFILER_NAME as NATIVE_ATTENTION
 from forklift.native.decode_step import PROFILER_NAME as NATIVE_STEP
 from forklift.native.quant_matmul import PROFILER_NAME as NATIVE_MATMUL
+from forklift.native.seeded_sample import PROFILER_NAME as NATIVE_SAMPLER
 from forklift.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ _COMPILED_GRAPH = "CompiledFxGraph"
 _ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 _ATTENTION = {"aten::index_select", "aten::index_copy_", "aten::index", NATIVE_ATTENTION}
 _SAMPLING = {"aten::argmax", "aten::max", "aten::log_softmax", "aten::_log_softmax", "aten::topk",
-             "aten::sort", "aten::gather", "aten::softmax", "aten::_softmax"}  # fmt: skip
+             "aten::sort", "aten::gather", "aten::softmax", "aten::_softmax",
+             NATIVE_SAMPLER}  # fmt: skip
 
 
 def categorize(op_name: str) -> str:
