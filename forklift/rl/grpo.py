@@ -83,7 +83,7 @@ class GRPOConfig:
         if self.rollout_dtype != "auto":
             return getattr(torch, self.rollout_dtype)
         if torch.cuda.is_available():
-            return torch.bfloat16
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 

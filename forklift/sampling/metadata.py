@@ -40,12 +40,13 @@ class SamplingBatch:
     logit_bias: list[dict[int, float] | None] | None = None
     allowed_token_ids: list[list[int] | None] | None = None
 
-    # What the batch needs at all, worked out once from the rows' values (float32, as the
-    # tensors hold them): the sampler skips every stage no row asks for.
-    all_greedy: bool = True
-    needs_top_k_top_p: bool = False
-    needs_min_p: bool = False
-    needs_penalties: bool = False
+    # What the batch needs at all, worked out once by from_rows from the rows' values
+    # (float32, as the tensors hold them): the sampler skips every stage no row asks for.
+    # The defaults run every stage, so a batch built another way samples correctly.
+    all_greedy: bool = False
+    needs_top_k_top_p: bool = True
+    needs_min_p: bool = True
+    needs_penalties: bool = True
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -61,12 +62,14 @@ class SamplingBatch:
         grammar_rows, token_bitmask = _grammar_bitmask(rows, vocab_size, device)
 
         # One array per type, each setting a contiguous row: two tensors built, not nine.
-        floats = np.array(
-            [[p.temperature for p in params], [p.top_p for p in params],
-             [p.min_p for p in params], [p.repetition_penalty for p in params],
-             [p.presence_penalty for p in params], [p.frequency_penalty for p in params]],
-            dtype=np.float32,
-        ).reshape(6, len(rows))  # fmt: skip
+        # A value past float32's range becomes inf, as a float32 tensor of it would.
+        with np.errstate(over="ignore"):
+            floats = np.array(
+                [[p.temperature for p in params], [p.top_p for p in params],
+                 [p.min_p for p in params], [p.repetition_penalty for p in params],
+                 [p.presence_penalty for p in params], [p.frequency_penalty for p in params]],
+                dtype=np.float32,
+            ).reshape(6, len(rows))  # fmt: skip
         longs = np.array(
             [[max(p.top_k, 0) for p in params], [r.seed for r in rows],
              [r.num_output_tokens for r in rows]],

@@ -29,8 +29,9 @@ QUANTIZED_MAX_ROWS = 8
 # The native block kernels (forklift/native/quant_matmul.py) read each block once for all
 # rows, so they pay further: up to this many rows.
 BLOCK_MAX_ROWS = 16
-# Steps of at least this many rows run every layer on its dense weight, whatever kernel
-# holds its quantized copy.
+# Steps of at least this many rows run the PyTorch layers on the dense weights, whatever
+# kernel holds the quantized copy (the native decode step, where it runs, takes pure decode
+# steps of up to NATIVE_STEP_MAX_ROWS on the quantized blocks first).
 ALWAYS_DENSE_ROWS = max(QUANTIZED_MAX_ROWS, BLOCK_MAX_ROWS) + 1
 _INT4_ZERO_POINT = 8
 

@@ -6,6 +6,7 @@
  *
  * The logarithms and the exponential are fast_math.h's polynomials: within a few float ulps
  * of libm, which can decide a draw only where two tokens' noisy scores tie that closely. */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -51,6 +52,10 @@ static void sample_row(const float *logits, int64_t vocab, float temperature, ui
             for (int64_t i = 0; i < n; i++) chunk_best = x[i] > chunk_best ? x[i] : chunk_best;
             chunk_max = chunk_best;
         }
+        /* An OpenMP max reduction may start from -FLT_MAX rather than -inf (clang): a
+         * chunk whose values are all -inf must still read as -inf. */
+        if (chunk_best == -FLT_MAX) chunk_best = -INFINITY;
+        if (chunk_max == -FLT_MAX) chunk_max = -INFINITY;
         row_max = chunk_max > row_max ? chunk_max : row_max;
         /* Strictly greater: a later chunk's tie does not displace the first maximum. */
         if (start == 0 || chunk_best > best) {
