@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from forklift.cpu import cpu_has_fast_bf16
 from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
 from forklift.lora_request import LoRARequest
@@ -53,8 +52,9 @@ class GRPOConfig:
     # > 0: train a LoRA adapter of this rank (alpha = 2 x rank) instead of every weight.
     lora_rank: int = 0
     # What rollouts compute in, on either side (the policy trains in float32): "auto" is
-    # bfloat16 where the hardware has fast bf16, else float32. The engine keeps the pushed
-    # weights dense in this dtype (no quantization), so it samples the policy just trained.
+    # the engine's rule, bfloat16 where the hardware has fast bf16, else float32. The
+    # engine keeps the pushed weights dense in this dtype (no quantization), so it samples
+    # the policy just trained.
     rollout_dtype: str = "auto"
 
     def validate(self) -> None:
@@ -78,13 +78,6 @@ class GRPOConfig:
                 f"rollout_dtype must be one of {', '.join(ROLLOUT_DTYPES)}, "
                 f"got {self.rollout_dtype!r}"
             )
-
-    def resolved_rollout_dtype(self) -> torch.dtype:
-        if self.rollout_dtype != "auto":
-            return getattr(torch, self.rollout_dtype)
-        if torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 @dataclass
@@ -154,10 +147,9 @@ class GRPOTrainer:
         lora_settings = (
             {"enable_lora": True, "max_lora_rank": config.lora_rank} if config.lora_rank else {}
         )
-        self.rollout_dtype = config.resolved_rollout_dtype()
         self.llm = llm or LLM(
             model=config.model,
-            dtype=str(self.rollout_dtype).removeprefix("torch."),
+            dtype=config.rollout_dtype,
             quantization="none",
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
@@ -167,6 +159,9 @@ class GRPOTrainer:
         if engine.tokenizer is None:
             raise ValueError("GRPO needs a model with a tokenizer for its prompts and checker")
         self.tokenizer = engine.tokenizer
+        # "auto" is the engine's own rule (bfloat16 where the hardware is fast at it); HF
+        # rolls out in whatever the engine resolved, so both sides compute alike.
+        self.rollout_dtype = engine.dtype
         self.policy = load_hf_model(engine.model_source, engine.model_config, torch.float32)
         # HF rollouts in another dtype sample a copy, refreshed after each update like the
         # engine's weights (and timed the same way).
