@@ -23,6 +23,8 @@ def test_config_takes_vllm_keys_from_a_dict_or_json():
     assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == (
         "ngram"
     )
+    draft = SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model) == ("draft_model", "some/draft")  # vLLM's inference
     engine = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert engine.speculation == SpeculativeConfig("ngram", 2)
 
@@ -36,7 +38,13 @@ def test_config_takes_vllm_keys_from_a_dict_or_json():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "not supported yet"),
-        ({"model": "some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": 0},
+            "draft_layers",
+        ),  # fmt: skip
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_layers": 2}, "draft_layers"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
         ({"method": "lookahead", "num_speculative_tokens": 2}, "method must be one of"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo_key": 1}, "typo_key"),
         (

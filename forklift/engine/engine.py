@@ -41,7 +41,15 @@ from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_ten
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
-from forklift.spec_decode.proposer import accepted_prefix, make_proposer
+from forklift.spec_decode.draft_model import DraftModelProposer, load_draft_runner
+from forklift.spec_decode.proposer import (
+    BatchProposer,
+    DraftQuery,
+    Proposer,
+    accepted_prefix,
+    make_proposer,
+    propose_all,
+)
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer, load_tokenizer
@@ -176,15 +184,23 @@ class LLMEngine:
             decode_backend=config.decode_backend,
             lora=lora_limits,
         )
+        # Speculation's draft model: its K/V share the target's blocks and budget.
+        self.draft_runner: ModelRunner | None = None
+        if self.speculation is not None and self.speculation.method == "draft_model":
+            self.draft_runner = load_draft_runner(
+                self.speculation, config, source, self.model_config, device=self.device,
+                dtype=self.dtype, max_model_len=self.max_model_len,
+            )  # fmt: skip
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
             max_num_seqs=config.max_num_seqs,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             num_blocks_override=config.num_gpu_blocks_override,
             memory_utilization=config.resolve_memory_utilization(self.device),
+            draft=self.draft_runner,
         )
         self._check_kv_fits()
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
+        self._allocate_kv_caches()
         self.kv_manager = KVCacheManager(
             self.kv_plan.num_blocks,
             config.block_size,
@@ -211,7 +227,11 @@ class LLMEngine:
         self.loras: LoRARegistry | None = None
         if self.runner.lora is not None and lora_slots is not None:
             self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
-        self.proposer = make_proposer(self.speculation) if self.speculation else None
+        self.proposer: Proposer | BatchProposer | None = None
+        if self.draft_runner is not None:
+            self.proposer = DraftModelProposer(self.draft_runner, self.kv_manager)
+        elif self.speculation is not None:
+            self.proposer = make_proposer(self.speculation)
         self.spec_stats = SpecDecodeStats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -285,6 +305,16 @@ class LLMEngine:
                 slots, wanted, slots, self.kv_plan.state_bytes_per_slot / 2**20,
             )  # fmt: skip
         return min(slots, wanted)
+
+    @property
+    def _runners(self) -> list[ModelRunner]:
+        """The target's runner and, when speculating with one, the draft model's."""
+        return [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
+
+    def _allocate_kv_caches(self) -> None:
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
 
     def _check_kv_fits(self) -> None:
         plan = self.kv_plan
@@ -566,15 +596,17 @@ class LLMEngine:
         running sequences, none; with `adaptive_draft_length`, as many as the sequence's
         recent acceptance makes worth their rows at this batch size; with the native step,
         only as many as keep the step within its rows. Under a grammar, only the drafts it
-        allows."""
+        allows. Lookups propose one sequence at a time; a draft model for all at once."""
         spec = self.speculation
         assert spec is not None and self.proposer is not None
         running = self.scheduler.running
         if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
             return
+        batched = isinstance(self.proposer, BatchProposer)
         spare_rows = None
         if self.runner.native_step is not None:
             spare_rows = min(NATIVE_STEP_MAX_ROWS, VERIFY_MAX_ROWS) - len(running)
+        asking: list[tuple[Request, DraftQuery]] = []
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
@@ -588,12 +620,29 @@ class LLMEngine:
             if wanted <= 0:
                 request.acceptance.idle()
                 continue
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, wanted)
-            if request.grammar is not None:
-                drafts = drafts[: request.grammar.valid_prefix(drafts)]
-            request.draft_token_ids = drafts
+            query = DraftQuery(
+                request.request_id, request.all_token_ids, request.num_computed_tokens,
+                request.num_preemptions, wanted,
+            )  # fmt: skip
+            if batched:
+                asking.append((request, query))
+                drafted = wanted
+            else:
+                drafted = self._set_drafts(request, propose_all(self.proposer, [query])[0])
             if spare_rows is not None:
-                spare_rows -= len(drafts)
+                spare_rows -= drafted
+        if asking:
+            proposals = propose_all(self.proposer, [query for _, query in asking])
+            for (request, _), drafts in zip(asking, proposals, strict=True):
+                self._set_drafts(request, drafts)
+
+    @staticmethod
+    def _set_drafts(request: Request, drafts: list[int]) -> int:
+        """Give `request` the drafts its grammar allows; returns how many."""
+        if request.grammar is not None:
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
+        request.draft_token_ids = drafts
+        return len(drafts)
 
     def _record_step(
         self, sched: SchedulerOutput, start: float, duration: float, sampled: int
@@ -735,9 +784,10 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError("cannot sleep with requests in flight: finish or abort them first")
         self.kv_manager.reset_prefix_cache()
-        self.runner.free_kv_cache()
-        if level == 2:
-            self.runner.free_weights()
+        for runner in self._runners:
+            runner.free_kv_cache()
+            if level == 2:
+                runner.free_weights()
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:
@@ -746,9 +796,10 @@ class LLMEngine:
         if self.sleep_level == 0:
             return
         if self.sleep_level == 2:
-            self.runner.reload_weights()
+            for runner in self._runners:
+                runner.reload_weights()
             self.weight_version += 1
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
+        self._allocate_kv_caches()
         self.sleep_level = 0
 
     def shutdown(self) -> None:

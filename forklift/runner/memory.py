@@ -140,12 +140,14 @@ def plan_kv_cache(
     max_num_seqs: int = 1,
     num_blocks_override: int | None = None,
     max_chunk: int = 0,
+    extra_bytes_per_block: int = 0,
 ) -> KVCachePlan:
     """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
-    fixes the block count instead (and gives a hybrid model a slot per sequence)."""
-    bytes_per_block = kv_block_bytes(model_config, dtype, block_size)
+    fixes the block count instead (and gives a hybrid model a slot per sequence).
+    `extra_bytes_per_block`: a draft model's K/V, held in the same blocks."""
+    bytes_per_block = kv_block_bytes(model_config, dtype, block_size) + extra_bytes_per_block
     groups = {"windows": kv_layout(model_config).windows, "max_chunk": max_chunk}
     per_slot = state_bytes_per_sequence(model_config, dtype)
     if num_blocks_override is not None:

@@ -49,6 +49,7 @@ from forklift.runner.lora_store import LoRALimits, LoRAStore
 from forklift.runner.memory import (
     RECURRENT_STATE_DTYPE,
     KVCachePlan,
+    kv_block_bytes,
     measure_peak_bytes,
     module_bytes,
     plan_kv_cache,
@@ -169,7 +170,10 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None,
         memory_utilization: float,
         num_blocks_override: int | None = None,
+        draft: ModelRunner | None = None,
     ) -> KVCachePlan:
+        """Blocks for the budget; a `draft` model's weights and its K/V in every block
+        (speculative decoding) come out of the same budget."""
         peak = 0
         if kv_cache_memory_bytes is None and num_blocks_override is None:
             peak = measure_peak_bytes(
@@ -183,11 +187,18 @@ class ModelRunner:
             num_blocks_override=num_blocks_override,
             memory_utilization=memory_utilization,
             total_memory=self._memory_share(),
-            weight_bytes=module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes,
+            weight_bytes=self.weight_bytes + (draft.weight_bytes if draft is not None else 0),
             activation_peak_bytes=peak,
             max_num_seqs=max_num_seqs,
             max_chunk=max_num_batched_tokens,
+            extra_bytes_per_block=(
+                kv_block_bytes(draft.model.config, draft.dtype, draft.block_size) if draft else 0
+            ),
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        return module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
 
     @property
     def _lora_bytes(self) -> int:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Methods forklift proposes with; vLLM's other names are refused with a clear error.
-SPECULATIVE_METHODS = ("ngram", "suffix")
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 # Longest run of drafts one sequence may carry into a step.
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -38,6 +38,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft (a path or name, as the target's `model`; None: the target
+    # itself) and forklift's own key for the self-speculative form: run only the draft's
+    # first this-many layers, then its final norm and head (None: all of them).
+    model: str | None = None
+    draft_layers: int | None = None
 
     @classmethod
     def parse(
@@ -58,7 +63,7 @@ class SpeculativeConfig:
 
     @classmethod
     def _from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
-        known = {f.name for f in dataclasses.fields(cls)} | {"model"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(
@@ -67,18 +72,19 @@ class SpeculativeConfig:
             )
         method = values.get("method")
         if method is None and values.get("model") in ("ngram", "[ngram]"):
-            method = values["model"].strip("[]")  # vLLM's older spelling
-        if method in _NOT_BUILT or (method is None and values.get("model") is not None):
+            method = values.pop("model").strip("[]")  # vLLM's older spelling
+        if method is None and values.get("model") is not None:
+            method = "draft_model"  # vLLM infers the method from a draft model's name
+        if method in _NOT_BUILT:
             raise ValueError(
-                f"speculative_config: method {method or 'draft_model'!r} is not supported yet; "
-                f"forklift speculates with {' or '.join(repr(m) for m in SPECULATIVE_METHODS)}"
+                f"speculative_config: method {method!r} is not supported yet; forklift "
+                f"speculates with {', '.join(repr(m) for m in SPECULATIVE_METHODS)}"
             )
         if method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                 f"got {method!r}"
             )
-        values.pop("model", None)
         values["method"] = method
         if "num_speculative_tokens" not in values:
             if method != "suffix":
@@ -122,6 +128,28 @@ class SpeculativeConfig:
                 f"speculative_config: suffix_decoding_min_token_prob must be in [0, 1], "
                 f"got {prob!r}"
             )
+        self._validate_draft()
+
+    def _validate_draft(self) -> None:
+        if self.method != "draft_model":
+            for key in ("model", "draft_layers"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"speculative_config: {key} belongs to method 'draft_model', "
+                        f"not {self.method!r}"
+                    )
+            return
+        if self.model is None and self.draft_layers is None:
+            raise ValueError(
+                "speculative_config: method 'draft_model' needs model (a smaller model with "
+                "the target's tokenizer) or draft_layers (the target's own first layers)"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                f"speculative_config: model must be a path or model name, got {self.model!r}"
+            )
+        if self.draft_layers is not None:
+            _int_in("draft_layers", self.draft_layers, 1, None)
 
 
 def _int_in(name: str, value: object, low: int, high: int | None) -> None:

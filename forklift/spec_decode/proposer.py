@@ -1,16 +1,31 @@
-"""What every proposer offers the engine, and the one that builds them from a config."""
+"""What proposers offer the engine: lookups that read token ids one sequence at a time, and
+batch proposers (a draft model) that run for every decoding sequence at once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from forklift.spec_decode.config import SpeculativeConfig
 
 
+@dataclass(frozen=True)
+class DraftQuery:
+    """One decoding sequence asking for up to `max_tokens` drafts after its newest token."""
+
+    request_id: str
+    # Prompt and output so far; the newest token is not in the target's KV cache yet.
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    # Bumped by each preemption: the sequence's blocks (and a draft's K/V in them) are new.
+    num_preemptions: int
+    max_tokens: int
+
+
 class Proposer(Protocol):
-    """Guesses a sequence's next tokens from what it has seen. Proposers only read token ids,
-    so they run between steps without touching the model."""
+    """Guesses a sequence's next tokens from what it has seen. These proposers only read
+    token ids, so they run between steps without touching the model."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` guesses to follow `token_ids` (prompt and output so far), which
@@ -22,7 +37,27 @@ class Proposer(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchProposer(Protocol):
+    """Proposes for every decoding sequence in one call (a model's forward serves them all)."""
+
+    def propose_batch(self, queries: Sequence[DraftQuery]) -> list[list[int]]: ...
+
+    def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None: ...
+
+
+def propose_all(
+    proposer: Proposer | BatchProposer, queries: Sequence[DraftQuery]
+) -> list[list[int]]:
+    """Each query's drafts, from a batch proposer at once or a lookup one by one."""
+    if isinstance(proposer, BatchProposer):
+        return proposer.propose_batch(queries)
+    return [proposer.propose(q.request_id, q.token_ids, q.max_tokens) for q in queries]
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The lookup proposers; a draft model is built with the engine's runner
+    (spec_decode/draft_model.py)."""
     if config.method == "ngram":
         from forklift.spec_decode.ngram import NgramProposer
 
