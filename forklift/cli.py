@@ -45,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4}\' (methods: ngram, suffix; default off)',
+        '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model" or '
+        '"draft_layers"; default off)',
     )
     group.add_argument(
         "--enable-lora",

@@ -164,6 +164,10 @@ def test_drafts_pay_for_their_rows_only_when_likely_enough():
     assert drafts_worth_verifying(0.99, num_running=1, limit=3) == 3
     assert drafts_worth_verifying(1.0, num_running=16, limit=5) == 5
     assert drafts_worth_verifying(0.9, num_running=1, limit=0) == 0
+    # A draft model's forwards: at half a step each, one sequence needs rate**j >= 3.5/6.
+    assert drafts_worth_verifying(0.9, num_running=1, limit=8, draft_cost=0.5) == 5
+    assert drafts_worth_verifying(0.5, num_running=1, limit=8, draft_cost=0.5) == 0
+    assert drafts_worth_verifying(1.0, num_running=1, limit=8, draft_cost=1.0) == 0
 
 
 def test_acceptance_record_learns_and_forgets():

@@ -228,7 +228,10 @@ class LLMEngine:
         if self.runner.lora is not None and lora_slots is not None:
             self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
         self.proposer: Proposer | BatchProposer | None = None
+        # A draft forward's cost as a share of a target step: decode reads every weight.
+        self._draft_cost = 0.0
         if self.draft_runner is not None:
+            self._draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
             self.proposer = DraftModelProposer(self.draft_runner, self.kv_manager)
         elif self.speculation is not None:
             self.proposer = make_proposer(self.speculation)
@@ -614,7 +617,9 @@ class LLMEngine:
             room = request.max_tokens - request.num_output_tokens - 1
             wanted = min(spec.num_speculative_tokens, room)
             if spec.adaptive_draft_length:
-                wanted = drafts_worth_verifying(request.acceptance.rate, len(running), wanted)
+                wanted = drafts_worth_verifying(
+                    request.acceptance.rate, len(running), wanted, self._draft_cost
+                )
             if spare_rows is not None:
                 wanted = min(wanted, spare_rows)
             if wanted <= 0:

@@ -9,6 +9,11 @@ token per running sequence. So with n sequences running, draft j (accepted only 
 sequence's recent chance that a draft is accepted given the ones before it were. One
 sequence alone speculates several tokens at a modest rate; at eight, only near-certain
 drafts still pay.
+
+A draft model also costs a forward per draft, `draft_cost` of a target step (its weight
+bytes over the target's), shared by the n sequences it drafts for at once: draft j then
+pays only while rate**j >= (n + ROW_COST_RATIO * draft_cost) / (n + ROW_COST_RATIO). A
+draft as large as the target never pays.
 """
 
 from __future__ import annotations
@@ -51,11 +56,16 @@ class AcceptanceRecord:
         self.trials *= DECAY
 
 
-def drafts_worth_verifying(rate: float, num_running: int, limit: int) -> int:
-    """The largest j <= limit with rate**j >= n / (n + ROW_COST_RATIO)."""
+def drafts_worth_verifying(
+    rate: float, num_running: int, limit: int, draft_cost: float = 0.0
+) -> int:
+    """The largest j <= limit with rate**j >= (n + ROW_COST_RATIO * draft_cost) /
+    (n + ROW_COST_RATIO)."""
     if limit <= 0 or rate <= 0.0:
         return 0
-    threshold = num_running / (num_running + ROW_COST_RATIO)
+    threshold = (num_running + ROW_COST_RATIO * draft_cost) / (num_running + ROW_COST_RATIO)
+    if threshold >= 1.0:
+        return 0
     if rate >= 1.0:
         return limit
     return max(0, min(limit, math.floor(math.log(threshold) / math.log(rate) + 1e-9)))

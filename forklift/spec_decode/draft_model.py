@@ -146,27 +146,31 @@ class DraftModelProposer:
         return [[] if item is None else item.drafts for item in started]
 
     def _forward(self, live: list[_Drafting]) -> list[_Drafting]:
-        """One draft forward over every live sequence; returns those with more to feed."""
-        chunks = []
+        """One draft forward over every live sequence: its tokens still to feed (a short run
+        as one row each, which the native step takes; a long one as a chunk) and the guess
+        after them. Returns the sequences with more to guess."""
+        chunks: list[ScheduledChunk] = []
+        last_row: list[int] = []
         for item in live:
-            take = len(item.pending) if len(item.pending) > LONG_CATCH_UP else 1
-            chunks.append(ScheduledChunk(
-                item.query.request_id, item.pending[:take], item.position,
-                self.kv_manager.block_table(item.query.request_id), sampling=self._greedy,
-            ))  # fmt: skip
+            table = self.kv_manager.block_table(item.query.request_id)
+            step = len(item.pending) if len(item.pending) > LONG_CATCH_UP else 1
+            for offset in range(0, len(item.pending), step):
+                chunks.append(ScheduledChunk(
+                    item.query.request_id, item.pending[offset : offset + step],
+                    item.position + offset, table, sampling=self._greedy,
+                ))  # fmt: skip
+            last_row.append(len(chunks) - 1)
         output = self.runner.execute(chunks).sampler_output
         assert output is not None
         still = []
-        for item, chunk, token in zip(live, chunks, output.token_ids, strict=True):
-            item.position += chunk.num_new_tokens
-            del item.pending[: chunk.num_new_tokens]
+        for item, row in zip(live, last_row, strict=True):
+            item.position += len(item.pending)
             self._progress[item.query.request_id].num_computed = item.position
-            if not item.pending:  # caught up: the token is a guess
-                item.drafts.append(token)
-                if len(item.drafts) == item.query.max_tokens:
-                    continue
-                item.pending.append(token)
-            still.append(item)
+            token = output.token_ids[row]
+            item.drafts.append(token)
+            if len(item.drafts) < item.query.max_tokens:
+                item.pending = [token]
+                still.append(item)
         return still
 
     def _start(self, query: DraftQuery) -> _Drafting | None:
