@@ -32,6 +32,7 @@ CONFIGS = {
                                       "adaptive_draft_length": False},
     "draft_layers=20, k=3, adaptive": {"method": "draft_model", "draft_layers": 20,
                                        "num_speculative_tokens": 3},
+    "none, again (drift)": None,
 }  # fmt: skip
 
 
