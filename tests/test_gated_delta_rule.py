@@ -12,7 +12,7 @@ from forklift.model.layers.gated_delta_rule import (
     chunked_gated_delta_rule,
     recurrent_gated_delta_step,
 )
-from forklift.model.layers.gated_deltanet import causal_conv
+from forklift.model.layers.gated_deltanet import causal_conv, delta_rule
 from forklift.runner.linear_metadata import build_linear_metadata
 
 
@@ -94,3 +94,40 @@ def test_flat_batch_conv_equals_a_conv_per_sequence():
         kept = full[-(kernel - 1) :]
         assert torch.allclose(new_states[i, kernel - 1 - kept.shape[0] :], kept)
         first += lens[i]
+
+
+def test_rows_verifying_drafts_chain_conv_and_recurrent_state():
+    """A decode row of one sequence, then three rows of another carrying on one another (its
+    drafts): each chained row sees the rows before it, and writes the state after its own
+    token to its own slot, as decoding the tokens one by one would."""
+    kernel, channels, heads, key_dim, value_dim = 4, 6, 2, 8, 5
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(channels, 1, kernel, generator=gen)
+    starts, lens = np.array([5, 9, 10, 11]), np.ones(4, dtype=np.int64)
+    slots, reads = np.array([1, 2, 3, 4]), np.array([1, 2, 2, 3])
+    continues = np.array([False, False, True, True])
+    meta = build_linear_metadata(starts, lens, slots, kernel, torch.device("cpu"), reads, continues)
+    conv_pool = torch.randn(5, kernel - 1, channels, generator=gen)
+    x = torch.randn(4, channels, generator=gen)
+    out, new_states = causal_conv(
+        x, weight, conv_pool.index_select(0, meta.read_slots), meta.conv_windows, meta.conv_keep
+    )
+    # Reference: slot 2's history, then the chain's three inputs, one at a time.
+    history = conv_pool[2]
+    for row in (1, 2, 3):
+        window = torch.cat([history, x[row : row + 1]])
+        expected = F.silu((window * weight.squeeze(1).t()).sum(0))
+        assert torch.allclose(out[row], expected, atol=1e-5)
+        history = window[1:]
+        assert torch.equal(new_states[row], history)
+    q, k, v, g, beta, _ = (t[0] for t in _inputs(1, 4, heads, key_dim, value_dim))
+    state_pool = torch.randn(5, heads, key_dim, value_dim, generator=gen)
+    start_states = state_pool.clone()
+    result = delta_rule(q, k, v, g, beta, state_pool, meta)
+    state = start_states[2:3]
+    for row in (1, 2, 3):
+        expected, state = recurrent_gated_delta_step(
+            *(t[row : row + 1] for t in (q, k, v, g, beta)), state
+        )
+        assert torch.allclose(result[row], expected[0], atol=1e-6)
+        assert torch.allclose(state_pool[slots[row]], state[0], atol=1e-6)

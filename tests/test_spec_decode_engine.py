@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 from test_engine import BLOCK_BYTES, make_llm
-from tiny_models import VOCAB, make_tiny_hybrid, make_tiny_model
+from tiny_models import VOCAB, make_tiny_model
 
 from forklift import LLM, SamplingParams, StructuredOutputsParams
 from forklift.core.kv_cache_manager import blocks_for_tokens
@@ -344,12 +344,6 @@ def test_structured_outputs_speculate_within_the_grammar(default_source, corrupt
     assert stats.num_accepted_tokens > 0
     if corrupt:  # some corrupted drafts broke the grammar and were cut before verifying
         assert stats.num_draft_tokens < sum(proposed)
-
-
-def test_hybrid_models_are_refused_with_the_reason(tmp_path):
-    make_tiny_hybrid("interval", tmp_path)
-    with pytest.raises(ValueError, match="speculative_config: .*hybrid"):
-        make_llm(tmp_path, speculative_config=SPEC)
 
 
 def test_disable_by_batch_size_turns_drafts_off_under_load(tiny_dir):

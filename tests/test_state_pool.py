@@ -26,6 +26,26 @@ def test_slots_are_handed_out_once_and_come_back():
     assert pool.allocate("d") == slots[1]
 
 
+def test_lent_slots_are_kept_or_returned_after_verification():
+    pool = StatePool(6)
+    own = pool.allocate("a")
+    lent = pool.lend(3)
+    assert len(lent) == 3 and own not in lent and pool.num_free == 2
+    pool.settle("a", lent, 2)  # two drafts accepted: the state after the second is kept
+    assert pool.slot_of("a") == lent[1]
+    assert pool.num_lent == 0 and pool.num_free == 5
+    again = pool.lend(9)  # no more than are free
+    assert len(again) == 5 and pool.num_free == 0
+    pool.settle("a", again, 0)  # none accepted: the own slot stays
+    assert pool.slot_of("a") == lent[1] and pool.num_free == 5
+    gone = pool.lend(2)
+    pool.free("a")
+    pool.settle(None, gone, 1)  # aborted meanwhile: everything comes back
+    assert pool.num_free == 6 and pool.num_lent == 0
+    with pytest.raises(ValueError, match="not lent"):
+        pool.settle("a", [1], 0)
+
+
 def test_a_pool_needs_a_slot():
     with pytest.raises(ValueError, match="at least one slot"):
         StatePool(0)

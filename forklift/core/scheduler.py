@@ -166,6 +166,11 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_drafts = self._drafts_to_verify(request, budget)
+            lent: list[int] = []
+            if num_drafts and self.state_pool is not None:
+                # A hybrid keeps the state after every draft: a spare slot for each.
+                lent = self.state_pool.lend(min(num_drafts, self._spare_state_slots()))
+                num_drafts = len(lent)
             if num_drafts:
                 num_new = 1 + num_drafts
                 total = request.num_computed_tokens + num_new
@@ -173,6 +178,10 @@ class Scheduler:
                     request.request_id, total, num_computed_tokens=request.num_computed_tokens
                 ):
                     num_drafts = 0  # no room for them: decode one token as without drafts
+            if not num_drafts and lent:
+                assert self.state_pool is not None
+                self.state_pool.settle(None, lent, 0)
+                lent = []
             if not num_drafts:
                 num_new = self._chunk(request, request.num_computed_tokens, budget)
                 if num_new == 0:  # a prefill past this step's prefill budget
@@ -180,10 +189,17 @@ class Scheduler:
                     continue
                 if not self._reserve_or_preempt(request, num_new, out):
                     break
-            out.scheduled.append(self._chunk_of(request, num_new, num_drafts))
+            out.scheduled.append(self._chunk_of(request, num_new, num_drafts, lent))
             budget -= num_new
             idx += 1
         return budget
+
+    def _spare_state_slots(self) -> int:
+        """Free state slots a verification may borrow: those the waiting requests that could
+        start now would not need."""
+        assert self.state_pool is not None
+        could_start = min(len(self.waiting), max(self.max_num_seqs - len(self.running), 0))
+        return max(self.state_pool.num_free - could_start, 0)
 
     @staticmethod
     def _drafts_to_verify(request: Request, budget: int) -> int:
@@ -258,7 +274,9 @@ class Scheduler:
         request.num_computed_tokens = start
         return self._chunk_of(request, num_new)
 
-    def _chunk_of(self, request: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
+    def _chunk_of(
+        self, request: Request, num_new: int, num_drafts: int = 0, lent: Sequence[int] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new - num_drafts
         top = request.sampling_params.prompt_logprobs
@@ -281,6 +299,7 @@ class Scheduler:
             self.kv_manager.group_tables(request.request_id) if self.kv_manager.num_groups > 1
             else (),
             self.lora_slots.slot_of(request.request_id) if self.lora_slots is not None else -1,
+            tuple(lent),
         )  # fmt: skip
 
     def _preempt(self, request: Request) -> None:
@@ -310,9 +329,15 @@ class Scheduler:
         finished = []
         for index, (item, sampled) in enumerate(zip(out.scheduled, sampled_token_ids, strict=True)):
             request = self.requests.get(item.request_id)
+            tokens = [] if sampled is None else [sampled] if isinstance(sampled, int) else sampled
+            if item.draft_state_slots:
+                # A hybrid keeps the state after its last accepted token.
+                assert self.state_pool is not None
+                kept = request.request_id if request is not None else None
+                accepted = max(len(tokens) - 1, 0)
+                self.state_pool.settle(kept, list(item.draft_state_slots), accepted)
             if request is None:  # aborted while the step ran
                 continue
-            tokens = [] if sampled is None else [sampled] if isinstance(sampled, int) else sampled
             # Drafts past the first rejected one hold K/V of tokens the sequence never had.
             num_rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else 0
             request.num_computed_tokens += item.num_new_tokens - max(num_rejected, 0)

@@ -62,6 +62,12 @@ class ScheduledChunk:
     group_tables: Sequence[Sequence[int]] = ()
     # The LoRA slot whose adapter this sequence runs with; -1: the base model.
     lora_slot: int = -1
+    # Hybrid models verifying drafts: a spare state slot per draft, where the state after
+    # each draft goes (the state after the chunk's first token goes to `state_slot`).
+    draft_state_slots: Sequence[int] = ()
+    # A row of such a chunk after its first: the slot it reads its state from (the row
+    # before wrote it this step); -1: `state_slot` itself.
+    state_read_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:

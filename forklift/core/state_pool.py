@@ -5,8 +5,11 @@ it needs exactly one slot from the time it is first scheduled until it finishes,
 or is preempted (preemption drops the state; the recompute starts from zeros). Slot 0 is the
 zero state every sequence at position 0 reads and is never handed out.
 
-Invariants: a slot is free or held by exactly one request; `num_free + len(held) ==
-num_slots`.
+Speculation borrows spare slots for one step: a sequence verifying k drafts writes the
+state after each of them to its own spare, and keeps the one after its last accepted token.
+
+Invariants: a slot is free, held by exactly one request, or lent for the step;
+`num_free + len(held) + num_lent == num_slots`.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ class StatePool:
         # Lowest slot first, so a lightly loaded engine touches few slots.
         self._free = list(range(num_slots, 0, -1))
         self._held: dict[str, int] = {}
+        self._lent: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_lent(self) -> int:
+        return len(self._lent)
 
     def slot_of(self, request_id: str) -> int | None:
         return self._held.get(request_id)
@@ -44,3 +52,23 @@ class StatePool:
         slot = self._held.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+
+    def lend(self, count: int) -> list[int]:
+        """Up to `count` free slots for one step's verification."""
+        lent = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        self._lent.update(lent)
+        return lent
+
+    def settle(self, request_id: str | None, lent: list[int], keep: int) -> None:
+        """After the step: `keep` = 0 leaves the request its own slot; keep = j >= 1 makes
+        lent slot j - 1 its slot instead (its old one is freed). Every other lent slot is
+        freed; a request gone meanwhile (`None` or not holding a slot) keeps nothing."""
+        if not self._lent.issuperset(lent):
+            raise ValueError(f"slots {sorted(set(lent) - self._lent)} were not lent")
+        self._lent.difference_update(lent)
+        held = self._held.get(request_id) if request_id is not None else None
+        if held is not None and keep > 0:
+            self._held[request_id] = lent[keep - 1]  # type: ignore[index]
+            self._free.append(held)
+            lent = lent[: keep - 1] + lent[keep:]
+        self._free.extend(lent)

@@ -131,13 +131,6 @@ class LLMEngine:
         self.model_source = source
         self.model_config = load_model_config(source)
         self.speculation = config.speculation
-        if self.speculation is not None and self.model_config.is_hybrid:
-            # Refused before any weight loads.
-            raise ValueError(
-                "speculative_config: speculative decoding does not run hybrid "
-                "(linear-attention) models yet: their recurrent state would need rolling back "
-                "past rejected drafts"
-            )
         lora_limits = self._lora_limits()  # refused before any weight loads
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self.device = config.resolve_device()
@@ -193,7 +186,7 @@ class LLMEngine:
             )  # fmt: skip
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs + self._spare_state_slots(),
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             num_blocks_override=config.num_gpu_blocks_override,
             memory_utilization=config.resolve_memory_utilization(self.device),
@@ -318,6 +311,13 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
+
+    def _spare_state_slots(self) -> int:
+        """State slots a hybrid model plans beyond max_num_seqs: a sequence verifying k
+        drafts borrows k for the step, so even max_num_seqs sequences can speculate."""
+        if self.speculation is None or not self.model_config.is_hybrid:
+            return 0
+        return self.speculation.num_speculative_tokens
 
     def _check_kv_fits(self) -> None:
         plan = self.kv_plan

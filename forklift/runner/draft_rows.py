@@ -2,7 +2,12 @@
 decode path (the native step included): every row writes its K/V before any row attends, and
 row j attends to the cache up to its own position, which is causal attention over the chunk.
 Row j samples as the sequence would after the drafts before it, so its token is exactly
-what decoding without speculation would draw there once those drafts are accepted."""
+what decoding without speculation would draw there once those drafts are accepted.
+
+A hybrid model's rows also chain their linear layers' state: row j reads the state row
+j - 1 wrote and writes its own to the chunk's spare slot j - 1 (row 0 writes the sequence's
+slot), so the state after every position survives the step and the scheduler keeps the one
+after the last accepted token."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledCh
         sampling = chunk.sampling
         assert sampling is not None and chunk.num_new_tokens == chunk.num_draft_tokens + 1
         drafts = list(chunk.token_ids[1:])
+        chained = bool(chunk.draft_state_slots)
+        state_slots = [chunk.state_slot, *chunk.draft_state_slots]
         for position, token_id in enumerate(chunk.token_ids):
             row_sampling = sampling
             if position:
@@ -43,10 +50,11 @@ def expand_draft_rows(scheduled: list[ScheduledChunk]) -> tuple[list[ScheduledCh
                     chunk.start + position,
                     chunk.block_table,
                     0,
-                    chunk.state_slot,
+                    state_slots[position] if chained else chunk.state_slot,
                     row_sampling,
                     group_tables=chunk.group_tables,
                     lora_slot=chunk.lora_slot,
+                    state_read_slot=state_slots[position - 1] if chained and position else -1,
                 )
             )
             chunk_of.append(index)

@@ -19,30 +19,62 @@ def build_linear_metadata(
     slots: np.ndarray,
     conv_kernel: int,
     device: torch.device,
+    read_slots: np.ndarray | None = None,
+    continues: np.ndarray | None = None,
 ) -> LinearAttentionMetadata:
-    """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) with its state in
-    slot slots[s]; its tokens are contiguous in the flat batch, in sequence order."""
-    count = len(starts)
+    """Row r computes tokens [starts[r], starts[r] + query_lens[r]) of a sequence and writes
+    its state to slot slots[r], reading it from read_slots[r] (default: the same slot); rows'
+    tokens are contiguous in the flat batch, in row order. `continues[r]` marks a one-token
+    row that carries on the sequence of row r - 1 in this step (rows verifying drafts): it
+    reads the state row r - 1 writes, and its convolution sees row r - 1's inputs."""
+    rows = len(starts)
     history = conv_kernel - 1
+    if read_slots is None:
+        read_slots = slots
+    if continues is None:
+        continues = np.zeros(rows, dtype=bool)
+    read = np.where(starts == 0, ZERO_SLOT, read_slots)
     num_tokens = int(query_lens.sum())
     first_token = np.cumsum(query_lens) - query_lens
-    read = np.where(starts == 0, ZERO_SLOT, slots)
 
-    # Position c of a sequence's extended inputs (its kept history, then its new tokens) is
-    # row s * history + c of the state rows for c < history, else a row of the step's inputs.
-    def extended_row(seq: np.ndarray, c: np.ndarray) -> np.ndarray:
-        from_state = seq * history + c
-        from_step = count * history + first_token[seq] + c - history
+    # Each chain (a row and the rows continuing it) is one sequence to the convolution: its
+    # head's kept inputs, then the chain's tokens.
+    chain_of_row = np.cumsum(~continues) - 1
+    heads = np.flatnonzero(~continues)
+    num_chains = len(heads)
+    chain_first = first_token[heads]
+
+    # Position c of a chain's extended inputs (its kept history, then its new tokens) is row
+    # chain * history + c of the state rows for c < history, else a row of the step's inputs.
+    def extended_row(chain: np.ndarray, c: np.ndarray) -> np.ndarray:
+        from_state = chain * history + c
+        from_step = num_chains * history + chain_first[chain] + c - history
         return np.where(c < history, from_state, from_step)
 
-    seq_of_token = np.repeat(np.arange(count), query_lens)
-    offset = np.arange(num_tokens) - first_token[seq_of_token]
+    row_of_token = np.repeat(np.arange(rows), query_lens)
+    chain_of_token = chain_of_row[row_of_token]
+    offset = np.arange(num_tokens) - chain_first[chain_of_token]
     taps = np.arange(conv_kernel)[None, :]
-    windows = extended_row(seq_of_token[:, None], offset[:, None] + taps)
-    kept = query_lens[:, None] + np.arange(history)[None, :]
-    keep = extended_row(np.arange(count)[:, None], kept)
+    windows = extended_row(chain_of_token[:, None], offset[:, None] + taps)
+    # After row r, its chain keeps the last `history` inputs up to r's last token.
+    done = first_token + query_lens - chain_first[chain_of_row]
+    keep = extended_row(chain_of_row[:, None], done[:, None] + np.arange(history)[None, :])
 
+    # One-token rows step the recurrent form in waves: a continuing row after the row it
+    # continues has written the state it reads.
     decodes = np.flatnonzero(query_lens == 1)
+    wave = np.zeros(rows, dtype=np.int64)
+    for r in range(1, rows):
+        if continues[r]:
+            wave[r] = wave[r - 1] + 1
+    waves = []
+    for w in range(int(wave[decodes].max()) + 1 if decodes.size else 0):
+        members = decodes[wave[decodes] == w]
+        waves.append(DecodeGroup(
+            read_slots=_tensor(read[members], device),
+            write_slots=_tensor(slots[members], device),
+            token_index=_tensor(first_token[members], device),
+        ))  # fmt: skip
     prefills = [
         PrefillChunk(
             read_slot=_tensor(read[s : s + 1], device),
@@ -53,17 +85,11 @@ def build_linear_metadata(
         for s in np.flatnonzero(query_lens > 1)
     ]
     return LinearAttentionMetadata(
-        read_slots=_tensor(read, device),
+        read_slots=_tensor(read[heads], device),
         write_slots=_tensor(slots, device),
         conv_windows=_tensor(windows, device),
         conv_keep=_tensor(keep, device),
-        decodes=DecodeGroup(
-            read_slots=_tensor(read[decodes], device),
-            write_slots=_tensor(slots[decodes], device),
-            token_index=_tensor(first_token[decodes], device),
-        )
-        if decodes.size
-        else None,
+        decode_waves=waves,
         prefills=prefills,
     )
 

@@ -553,12 +553,19 @@ class ModelRunner:
                 states.index_copy_(1, target, states.index_select(1, source))
 
     def _linear_metadata(
-        self, starts: np.ndarray, query_lens: np.ndarray, slots: np.ndarray
+        self,
+        starts: np.ndarray,
+        query_lens: np.ndarray,
+        slots: np.ndarray,
+        read_slots: np.ndarray | None = None,
+        continues: np.ndarray | None = None,
     ) -> LinearAttentionMetadata | None:
         shape = self.model.config.linear_attention
         if shape is None or not self.model.config.is_hybrid:
             return None
-        return build_linear_metadata(starts, query_lens, slots, shape.conv_kernel, self.device)
+        return build_linear_metadata(
+            starts, query_lens, slots, shape.conv_kernel, self.device, read_slots, continues
+        )
 
     def _capture_key(self, scheduled: list[ScheduledChunk]) -> CaptureKey | None:
         """The captured shape for a pure-decode step; None runs the step eagerly."""
@@ -602,9 +609,14 @@ class ModelRunner:
             sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
         tables = _group_tables(scheduled, rows, len(self.kv_layout.windows))
         meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
-        slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
-        meta.linear = self._linear_metadata(starts[:count], query_lens[:count], slots)
+        slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
+        # Rows verifying a hybrid's drafts read the state the row before them writes.
+        continues = np.array([s.state_read_slot >= 0 for s in scheduled], dtype=bool)
+        reads = np.where(continues, [s.state_read_slot for s in scheduled], slots)
+        meta.linear = self._linear_metadata(
+            starts[:count], query_lens[:count], slots, reads, continues
+        )
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         ends = np.cumsum(query_lens)
         sample_index = (ends - 1)[sampling]

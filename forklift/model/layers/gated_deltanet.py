@@ -28,7 +28,7 @@ ZERO_SLOT = 0
 
 @dataclass
 class DecodeGroup:
-    """The step's decodes, one token each: the recurrent form, batched over them."""
+    """One-token rows of distinct sequences: the recurrent form, batched over them."""
 
     read_slots: torch.Tensor  # [seqs]: the state each starts from (ZERO_SLOT at position 0)
     write_slots: torch.Tensor  # [seqs]: where its new state goes
@@ -50,14 +50,17 @@ class PrefillChunk:
 class LinearAttentionMetadata:
     """Index tensors every Gated DeltaNet layer of one step shares."""
 
-    read_slots: torch.Tensor  # [seqs], in the step's order
-    write_slots: torch.Tensor  # [seqs]
-    # [num_tokens, conv_kernel]: each token's window, indexing cat(states of every sequence
-    # flattened to [seqs * (conv_kernel - 1)], the step's inputs).
+    # [chains]: the convolution state each chain starts from (a chain: one sequence's row,
+    # or its rows verifying drafts, which carry on one another), in the step's order.
+    read_slots: torch.Tensor
+    write_slots: torch.Tensor  # [rows]: where each row's convolution state goes
+    # [num_tokens, conv_kernel]: each token's window, indexing cat(states of every chain
+    # flattened to [chains * (conv_kernel - 1)], the step's inputs).
     conv_windows: torch.Tensor
-    # [seqs, conv_kernel - 1]: the inputs each sequence keeps, indexing the same rows.
+    # [rows, conv_kernel - 1]: the inputs kept after each row, indexing the same rows.
     conv_keep: torch.Tensor
-    decodes: DecodeGroup | None
+    # One-token rows in waves: a wave's rows read the states the wave before wrote.
+    decode_waves: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -89,14 +92,15 @@ def delta_rule(
 ) -> torch.Tensor:
     """q, k: [T, H, Dk]; v: [T, H, Dv]; g, beta: [T, H] (float32). Reads and writes each
     sequence's recurrent state in `state_pool` [slots, H, Dk, Dv]; returns [T, H, Dv]."""
-    decodes = meta.decodes
-    if decodes is not None and not meta.prefills:  # every token, in order: no gather
+    waves = meta.decode_waves
+    if len(waves) == 1 and not meta.prefills:  # every token, in order: no gather
+        decodes = waves[0]
         state = state_pool.index_select(0, decodes.read_slots)
         out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
         state_pool.index_copy_(0, decodes.write_slots, state)
         return out
     out = v.new_empty(v.shape)
-    if decodes is not None:
+    for decodes in waves:
         state = state_pool.index_select(0, decodes.read_slots)
         inputs = [t.index_select(0, decodes.token_index) for t in (q, k, v, g, beta)]
         result, state = recurrent_gated_delta_step(*inputs, state)
