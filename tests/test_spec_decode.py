@@ -25,6 +25,8 @@ def test_config_takes_vllm_keys_from_a_dict_or_json():
     )
     draft = SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 2})
     assert (draft.method, draft.model) == ("draft_model", "some/draft")  # vLLM's inference
+    mtp = SpeculativeConfig.parse({"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+    assert mtp.method == "mtp"  # vLLM's model-specific name
     engine = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert engine.speculation == SpeculativeConfig("ngram", 2)
 

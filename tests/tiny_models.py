@@ -233,3 +233,28 @@ def make_tiny_byte_level_model(directory: Path, tokenizer: ForkliftTokenizer) ->
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save(directory)
     return TinyModel(directory, model)
+
+
+def add_mtp_layer(tiny: TinyModel, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Give a saved tiny hybrid checkpoint a random multi-token prediction layer (Qwen3.5's
+    `mtp.*` names: a full-attention decoder layer shaped as the model's, `fc`, three norms);
+    returns the new tensors."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny.path / "model.safetensors"
+    tensors = load_file(path)
+    config = tiny.hf_model.config
+    full = config.layer_types.index("full_attention")
+    prefix = f"model.layers.{full}."
+    gen = torch.Generator().manual_seed(seed)
+    hidden = config.hidden_size
+    mtp = {
+        "mtp." + name.replace(prefix, "layers.0."): torch.randn(t.shape, generator=gen) * 0.3
+        for name, t in tensors.items()
+        if name.startswith(prefix)
+    }
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.3
+    save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
+    return mtp

@@ -36,12 +36,14 @@ from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.lora_store import LoRALimits
+from forklift.runner.memory import module_bytes
 from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
 from forklift.spec_decode.draft_model import DraftModelProposer, load_draft_runner
+from forklift.spec_decode.mtp import MtpProposer, load_mtp, mtp_block_bytes
 from forklift.spec_decode.proposer import (
     BatchProposer,
     DraftQuery,
@@ -177,29 +179,47 @@ class LLMEngine:
             decode_backend=config.decode_backend,
             lora=lora_limits,
         )
-        # Speculation's draft model: its K/V share the target's blocks and budget.
+        # Speculation's draft model or MTP layer: its K/V share the target's blocks and budget.
         self.draft_runner: ModelRunner | None = None
-        if self.speculation is not None and self.speculation.method == "draft_model":
+        self.mtp: MtpProposer | None = None
+        method = self.speculation.method if self.speculation is not None else None
+        if self.speculation is not None and method == "draft_model":
             self.draft_runner = load_draft_runner(
                 self.speculation, config, source, self.model_config, device=self.device,
                 dtype=self.dtype, max_model_len=self.max_model_len,
             )  # fmt: skip
+        mtp_layer = None
+        if method == "mtp":
+            mtp_layer = load_mtp(
+                source, self.model_config, device=self.device, dtype=self.dtype,
+                max_model_len=self.max_model_len, tensor_parallel_size=config.tensor_parallel_size,
+            )  # fmt: skip
+        extra_weight_bytes, extra_block_bytes = 0, 0
+        if self.draft_runner is not None:
+            extra_weight_bytes = self.draft_runner.weight_bytes
+            extra_block_bytes = self.draft_runner.kv_block_bytes
+        elif mtp_layer is not None:
+            extra_weight_bytes = module_bytes(mtp_layer)
+            extra_block_bytes = mtp_block_bytes(mtp_layer, config.block_size)
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
             max_num_seqs=config.max_num_seqs + self._spare_state_slots(),
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             num_blocks_override=config.num_gpu_blocks_override,
             memory_utilization=config.resolve_memory_utilization(self.device),
-            draft=self.draft_runner,
+            extra_weight_bytes=extra_weight_bytes,
+            extra_block_bytes=extra_block_bytes,
         )
         self._check_kv_fits()
-        self._allocate_kv_caches()
         self.kv_manager = KVCacheManager(
             self.kv_plan.num_blocks,
             config.block_size,
             self._prefix_caching_enabled(),
             self.kv_plan.windows,
         )
+        if mtp_layer is not None:
+            self.mtp = MtpProposer(mtp_layer, self.runner, self.kv_manager)
+        self._allocate_kv_caches()
         # Bumped by every weight update; the prefix cache keys on it.
         self.weight_version = 0
         # 0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed.
@@ -226,6 +246,12 @@ class LLMEngine:
         if self.draft_runner is not None:
             self._draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
             self.proposer = DraftModelProposer(self.draft_runner, self.kv_manager)
+        elif self.mtp is not None:
+            # The layer and the head it shares (about as large as the embedding).
+            head = self.runner.model.embed_tokens.weight
+            guess_bytes = module_bytes(self.mtp.mtp) + head.numel() * head.element_size()
+            self._draft_cost = guess_bytes / self.runner.weight_bytes
+            self.proposer = self.mtp
         elif self.speculation is not None:
             self.proposer = make_proposer(self.speculation)
         self.spec_stats = SpecDecodeStats()
@@ -311,6 +337,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        if self.mtp is not None:
+            self.mtp.allocate_cache(self.kv_plan.num_blocks)
 
     def _spare_state_slots(self) -> int:
         """State slots a hybrid model plans beyond max_num_seqs: a sequence verifying k
@@ -541,6 +569,9 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = now
         try:
             result = self.runner.execute(sched.scheduled, sched.state_copies, sched.lora_loads)
+            if self.mtp is not None and self.runner.hidden_states is not None:
+                self.mtp.record_step(sched.scheduled, self.runner.hidden_states)
+                self.runner.hidden_states = None
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
@@ -793,6 +824,8 @@ class LLMEngine:
             runner.free_kv_cache()
             if level == 2:
                 runner.free_weights()
+        if self.mtp is not None:
+            self.mtp.free_cache()
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:

@@ -143,6 +143,9 @@ class ModelRunner:
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
         self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
+        # Speculation by MTP reads every token's final hidden state of the last step.
+        self.keep_hidden_states = False
+        self.hidden_states: torch.Tensor | None = None
         self._weight_updater = WeightUpdater(self.model)
         # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
         self.layer_caches: list[LayerCache] = []
@@ -170,10 +173,11 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None,
         memory_utilization: float,
         num_blocks_override: int | None = None,
-        draft: ModelRunner | None = None,
+        extra_weight_bytes: int = 0,
+        extra_block_bytes: int = 0,
     ) -> KVCachePlan:
-        """Blocks for the budget; a `draft` model's weights and its K/V in every block
-        (speculative decoding) come out of the same budget."""
+        """Blocks for the budget; a speculation drafter's weights and its K/V in every block
+        (`extra_*`) come out of the same budget."""
         peak = 0
         if kv_cache_memory_bytes is None and num_blocks_override is None:
             peak = measure_peak_bytes(
@@ -187,18 +191,20 @@ class ModelRunner:
             num_blocks_override=num_blocks_override,
             memory_utilization=memory_utilization,
             total_memory=self._memory_share(),
-            weight_bytes=self.weight_bytes + (draft.weight_bytes if draft is not None else 0),
+            weight_bytes=self.weight_bytes + extra_weight_bytes,
             activation_peak_bytes=peak,
             max_num_seqs=max_num_seqs,
             max_chunk=max_num_batched_tokens,
-            extra_bytes_per_block=(
-                kv_block_bytes(draft.model.config, draft.dtype, draft.block_size) if draft else 0
-            ),
+            extra_bytes_per_block=extra_block_bytes,
         )
 
     @property
     def weight_bytes(self) -> int:
         return module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.model.config, self.dtype, self.block_size)
 
     @property
     def _lora_bytes(self) -> int:
@@ -510,6 +516,8 @@ class ModelRunner:
                 hidden = self.model(
                     inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta
                 )
+            if self.keep_hidden_states:
+                self.hidden_states = hidden
             scores = None
             if inputs.prompt_rows is not None and inputs.prompt_targets is not None:
                 scores = score_prompt_rows(
@@ -664,6 +672,17 @@ class ModelRunner:
                 for table, window in zip(tables[1:], windows[1:], strict=True)
             ]
         return meta, positions
+
+    def attention_inputs(
+        self, scheduled: list[ScheduledChunk]
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Attention metadata and positions of chunks a drafter runs over the target's
+        blocks in a cache of its own (the target's first-use bookkeeping is left alone)."""
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        tables = _group_tables(scheduled, len(scheduled), 1)
+        meta, positions = self._attention_metadata(starts, query_lens, tables)
+        return meta, torch.from_numpy(positions).to(self.device)
 
     def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` never used since the cache was allocated, now marked used."""

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # Methods forklift proposes with; vLLM's other names are refused with a clear error.
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
-_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp")
+_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator")
+# vLLM's model-specific names for the MTP method.
+_MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp")
 # Longest run of drafts one sequence may carry into a step.
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -75,6 +77,8 @@ class SpeculativeConfig:
             method = values.pop("model").strip("[]")  # vLLM's older spelling
         if method is None and values.get("model") is not None:
             method = "draft_model"  # vLLM infers the method from a draft model's name
+        if method in _MTP_ALIASES:
+            method = "mtp"
         if method in _NOT_BUILT:
             raise ValueError(
                 f"speculative_config: method {method!r} is not supported yet; forklift "

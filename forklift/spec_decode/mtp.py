@@ -1,0 +1,227 @@
+"""Drafts from the checkpoint's multi-token prediction layer (Qwen3.5's `mtp.*`,
+model/mtp.py), which reads the target's final hidden states.
+
+The layer's K/V at position p come from the target's hidden state at p and the token at
+p + 1, so it must see every position the target computes: the engine hands it each step's
+hidden states (`record_step`), a sequence keeps those it has not consumed, and before
+guessing the layer catches up on them in one chunk; its last output guesses the token after
+the newest, and each further guess feeds the layer's own output back, one position on. The
+K/V of guesses are never trusted later (they came from the layer's output, not the target's
+hidden state): the next call starts again at the target's count. The cache has the target's
+block count and is indexed by the target's block ids, as a draft model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from forklift.checkpoint.source import ModelSource
+from forklift.core.kv_cache_manager import KVCacheManager
+from forklift.core.scheduler_output import ScheduledChunk
+from forklift.model.layers.linear import Linear
+from forklift.model.llama import LayerCache
+from forklift.model.model_config import ModelConfig
+from forklift.model.model_source import iter_model_weights
+from forklift.model.mtp import MultiTokenPredictor
+from forklift.runner.model_runner import ModelRunner
+from forklift.spec_decode.proposer import DraftQuery
+
+
+def load_mtp(
+    source: ModelSource,
+    model_config: ModelConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    tensor_parallel_size: int,
+) -> MultiTokenPredictor:
+    """The checkpoint's MTP layer, refused with the reason where it cannot run."""
+    if not (model_config.is_hybrid and model_config.attention_output_gate):
+        raise ValueError(
+            "speculative_config: method 'mtp' runs Qwen3.5 checkpoints, whose MTP layer it "
+            f"loads; this model is {model_config.architecture}"
+        )
+    if source.format != "hf":
+        raise ValueError(
+            "speculative_config: method 'mtp' reads the MTP layer from an HF checkpoint "
+            "directory (safetensors), not a GGUF file"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative_config: method 'mtp' runs with tensor_parallel_size 1")
+    with torch.device(device):
+        mtp = MultiTokenPredictor(model_config, max_model_len)
+    mtp.load_weights(iter_model_weights(source, model_config))
+    mtp = mtp.to(dtype).eval().requires_grad_(False)
+    for module in mtp.modules():
+        if isinstance(module, Linear):
+            module.pack()
+    return mtp
+
+
+def mtp_block_bytes(mtp: MultiTokenPredictor, block_size: int) -> int:
+    """The layer's K/V in one block."""
+    config = mtp.layer_config
+    element = mtp.fc.weight.element_size()
+    return 2 * config.num_kv_heads * config.head_dim * element * block_size
+
+
+@dataclass
+class MtpProgress:
+    """One sequence: its MTP K/V hold positions [0, num_computed); the target's hidden
+    states of positions [hidden_start, hidden_start + len(hidden)) wait to be consumed."""
+
+    num_computed: int = 0
+    num_preemptions: int = 0
+    hidden_start: int = 0
+    hidden: torch.Tensor | None = None
+
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + (0 if self.hidden is None else self.hidden.shape[0])
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        """The target's hidden states of positions [start, start + len(rows))."""
+        if start < self.num_computed:  # recomputed after a preemption: new blocks
+            self.num_computed = 0
+        if self.hidden is None or not self.hidden_start <= start <= self.hidden_end:
+            self.hidden_start, self.hidden = start, rows
+        else:  # rows past `start` held rejected drafts
+            self.hidden = torch.cat([self.hidden[: start - self.hidden_start], rows])
+
+    def rows(self, start: int, end: int) -> torch.Tensor | None:
+        """The kept hidden states of positions [start, end); None when some are missing."""
+        if self.hidden is None or start < self.hidden_start or end > self.hidden_end:
+            return None
+        return self.hidden[start - self.hidden_start : end - self.hidden_start]
+
+    def consumed(self, position: int) -> None:
+        """The MTP K/V now hold positions up to `position`: drop the rows before it."""
+        self.num_computed = position
+        if self.hidden is not None:
+            cut = min(max(position - self.hidden_start, 0), self.hidden.shape[0])
+            self.hidden, self.hidden_start = self.hidden[cut:], self.hidden_start + cut
+
+
+@dataclass
+class _Guessing:
+    query: DraftQuery
+    progress: MtpProgress
+    drafts: list[int] = field(default_factory=list)
+
+
+class MtpProposer:
+    def __init__(
+        self, mtp: MultiTokenPredictor, runner: ModelRunner, kv_manager: KVCacheManager
+    ) -> None:
+        self.mtp = mtp
+        self.runner = runner
+        self.kv_manager = kv_manager
+        self.cache: LayerCache | None = None
+        self._progress: dict[str, MtpProgress] = {}
+        runner.keep_hidden_states = True
+        # The model's decode kernel serves the layer's decode rows too.
+        attention = next(layer for layer in runner.model.layers if layer.is_full_attention)
+        mtp.layers[0].decode_attention = attention.decode_attention
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        config = self.mtp.layer_config
+        # Zeros: masked positions of never-written blocks must not hold NaNs.
+        shape = (2, config.num_kv_heads, num_blocks, self.runner.block_size, config.head_dim)
+        cache = torch.zeros(shape, dtype=self.mtp.fc.weight.dtype, device=self.runner.device)
+        self.cache = (cache[0], cache[1])
+
+    def free_cache(self) -> None:
+        self.cache = None
+        self._progress.clear()
+
+    def record_step(self, scheduled: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Keep the step's final hidden states, each chunk's rows in order."""
+        first = 0
+        for chunk in scheduled:
+            rows = hidden[first : first + chunk.num_new_tokens].detach().clone()
+            first += chunk.num_new_tokens
+            self._progress.setdefault(chunk.request_id, MtpProgress()).add(chunk.start, rows)
+
+    def propose_batch(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        assert self.cache is not None, "the MTP cache was freed (sleep): wake the engine"
+        live = [g for q in queries if (g := self._start(q)) is not None]
+        if live:
+            with torch.inference_mode():
+                self._guess(live)
+        for item in live:
+            self.kv_manager.release_tail(
+                item.query.request_id, len(item.query.token_ids) + len(item.drafts)
+            )
+        by_id = {item.query.request_id: item.drafts for item in live}
+        return [by_id.get(q.request_id, []) for q in queries]
+
+    def _start(self, query: DraftQuery) -> _Guessing | None:
+        progress = self._progress.get(query.request_id)
+        if progress is None or query.max_tokens <= 0:
+            return None
+        if progress.num_preemptions != query.num_preemptions:
+            progress.num_preemptions = query.num_preemptions
+            progress.num_computed = 0
+        newest = query.num_computed_tokens
+        progress.num_computed = min(progress.num_computed, newest)
+        if progress.num_computed == newest or progress.rows(progress.num_computed, newest) is None:
+            return None
+        # Written: the catch-up and every guess but the last.
+        if not self.kv_manager.allocate_slots(
+            query.request_id, len(query.token_ids) + query.max_tokens - 1
+        ):
+            return None
+        return _Guessing(query, progress)
+
+    def _guess(self, live: list[_Guessing]) -> None:
+        chunks, inputs = [], []
+        for item in live:
+            query, progress = item.query, item.progress
+            newest = query.num_computed_tokens
+            rows = progress.rows(progress.num_computed, newest)
+            assert rows is not None
+            chunks.append(self._chunk(query, query.token_ids[progress.num_computed + 1 :],
+                                      progress.num_computed))  # fmt: skip
+            inputs.append(rows)
+        last = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
+        outputs = self._forward(chunks, torch.cat(inputs))[last]
+        for item in live:  # the catch-up is consumed: guesses never enter the kept K/V
+            item.progress.consumed(item.query.num_computed_tokens)
+        rounds = 0
+        while live:
+            tokens = self.runner.model.compute_logits(outputs).argmax(-1).tolist()
+            still, kept = [], []
+            for index, (item, token) in enumerate(zip(live, tokens, strict=True)):
+                item.drafts.append(token)
+                if len(item.drafts) < item.query.max_tokens:
+                    still.append(item)
+                    kept.append(index)
+            live, rounds = still, rounds + 1
+            if not live:
+                break
+            chunks = [
+                self._chunk(item.query, [item.drafts[-1]],
+                            item.query.num_computed_tokens + rounds - 1)
+                for item in live
+            ]  # fmt: skip
+            outputs = self._forward(chunks, outputs[kept])
+
+    def _chunk(self, query: DraftQuery, tokens: Sequence[int], start: int) -> ScheduledChunk:
+        table = self.kv_manager.block_table(query.request_id)
+        return ScheduledChunk(query.request_id, list(tokens), start, table)
+
+    def _forward(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None
+        meta, positions = self.runner.attention_inputs(chunks)
+        ids = [t for chunk in chunks for t in chunk.token_ids]
+        embedded = self.runner.model.embed_tokens(
+            torch.tensor(ids, dtype=torch.int64, device=self.runner.device)
+        )
+        return self.mtp(embedded, hidden.to(embedded.dtype), positions, self.cache, meta)
+
+    def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        self._progress.pop(request_id, None)

@@ -1,0 +1,119 @@
+"""Speculation with Qwen3.5's multi-token prediction layer: its guesses are those of a
+plain HF-transformers layer run over the whole sequence, and outputs are those of decoding
+without speculation, token for token, through chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spec_decode_engine import assert_same, prompts_of, run
+from test_spec_decode_hybrid import assert_nothing_held, hybrid_llm
+from tiny_models import add_mtp_layer, make_tiny_hybrid, make_tiny_model
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from forklift import SamplingParams
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    tiny = make_tiny_hybrid("interval", tmp_path_factory.mktemp("hybrid-mtp"))
+    return tiny, add_mtp_layer(tiny)
+
+
+def reference_first_guess(target, mtp: dict[str, torch.Tensor], tokens: list[int]):
+    """HF's own layer as the MTP layer over the whole sequence: the normed output at the
+    last position (from the target's hidden state at the newest computed token and the
+    newest token)."""
+    config = target.config
+    one_layer = hf.Qwen3_5TextConfig(**{**config.to_dict(), "num_hidden_layers": 1,
+                                        "layer_types": ["full_attention"]})  # fmt: skip
+    layer = hf.Qwen3_5TextModel(one_layer).float().eval()
+    state = {name[len("mtp.") :]: t for name, t in mtp.items() if name.startswith("mtp.layers.")}
+    state["norm.weight"] = mtp["mtp.norm.weight"]
+    state["embed_tokens.weight"] = target.model.embed_tokens.weight
+    layer.load_state_dict(state, strict=False)
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        norms[name] = hf.Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms[name].weight.data.copy_(mtp[f"mtp.{name}.weight"])
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = target.model(ids[:, :-1]).last_hidden_state  # positions 0 .. n - 2
+        embedded = target.model.embed_tokens(ids[:, 1:])  # the token after each
+        x = torch.cat([norms["pre_fc_norm_embedding"](embedded),
+                       norms["pre_fc_norm_hidden"](hidden)], -1)  # fmt: skip
+        x = x @ mtp["mtp.fc.weight"].t()
+        return layer(inputs_embeds=x).last_hidden_state[0, -1]
+
+
+def test_mtp_guesses_what_the_layer_computes_over_the_whole_sequence(mtp_model):
+    tiny, mtp = mtp_model
+    llm = hybrid_llm(tiny.path, speculative_config=MTP)
+    proposer = llm.llm_engine.proposer
+    seen = []
+    forward = proposer._forward
+
+    def recording(chunks, hidden):
+        out = forward(chunks, hidden)
+        if chunks[0].num_new_tokens > 1:  # a catch-up over a whole prompt
+            seen.append((list(chunks[0].token_ids), out[-1].clone()))
+        return out
+
+    proposer._forward = recording
+    for prompt in prompts_of(3, seed=1):
+        seen.clear()
+        output = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+        tokens, guessed = seen[0]
+        assert tokens == prompt[1:] + [output.token_ids[0]]
+        expected = reference_first_guess(tiny.hf_model, mtp, prompt + [output.token_ids[0]])
+        assert torch.allclose(guessed, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "situation",
+    [{}, dict(num_gpu_blocks_override=40), dict(max_num_batched_tokens=8)],
+    ids=["plain", "preemption", "chunked-prefill"],
+)
+def test_mtp_drafts_change_no_token(mtp_model, situation):
+    tiny, _ = mtp_model
+    prompts = prompts_of(6, seed=2)
+    expected = run(hybrid_llm(tiny.path), prompts, GREEDY)
+    llm = hybrid_llm(tiny.path, speculative_config=MTP, **situation)
+    assert_same(run(llm, prompts, GREEDY), expected)
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    if situation.get("num_gpu_blocks_override"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_nothing_held(llm)
+    assert llm.llm_engine.proposer._progress == {}
+
+
+def test_mtp_is_refused_without_its_layer(tmp_path):
+    make_tiny_hybrid("interval", tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="no multi-token prediction"):
+        hybrid_llm(tmp_path / "hybrid", speculative_config=MTP)
+    make_tiny_model("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="mtp.*Qwen3.5"):
+        hybrid_llm(tmp_path / "llama", speculative_config=MTP)
+
+
+def test_mtp_with_seeded_samples_forks_and_aborts(mtp_model):
+    tiny, _ = mtp_model
+    prompts = [p * 3 for p in prompts_of(2, seed=5)]
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=20, ignore_eos=True, seed=9)
+    expected = run(hybrid_llm(tiny.path), prompts, params)
+    llm = hybrid_llm(tiny.path, speculative_config=MTP)
+    assert_same(run(llm, prompts, params), expected)
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts_of(4, 7)]
+    for _ in range(5):
+        engine.step()
+    engine.abort_request(ids[:2])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert_nothing_held(llm)
+    assert engine.proposer._progress == {}
