@@ -412,6 +412,14 @@ class LLMEngine:
                 if spec.disable_by_batch_size
                 else "",
             )
+        if self._draft_cost:
+            drafter = self.draft_runner.model_config if self.draft_runner else None
+            logger.info(
+                "speculative decoding: the %s guesses at %.2f of a step's weight reads each",
+                f"draft ({drafter.architecture}, {drafter.num_layers} layers)"
+                if drafter else "MTP layer",
+                self._draft_cost,
+            )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
