@@ -28,8 +28,6 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
-#include "attention_bf16.h"
-
 /* Sixteen floats as one vector (GCC and clang vector extensions; the compiler splits it
  * into two halves on AVX2). */
 typedef float float16_vector __attribute__((vector_size(64)));
@@ -309,17 +307,6 @@ static inline __attribute__((always_inline)) int attend_rows(
         total[j] = sum;
     }
 
-#if defined(HAS_BF16_VALUE_PASS)
-    uint32_t *pairs = NULL;
-    if (is_bf16 && (head_dim == 64 || head_dim == 128))
-        pairs = malloc(sizeof(uint32_t) * (size_t)(count * ((num_live + 1) / 2) + 1));
-    if (pairs != NULL) {
-        pair_weights_bf16(pairs, scores, live, num_live, width, count);
-        accumulate_values_pairs(acc, pairs, (const uint16_t *)v_head, slots, live, num_live,
-                                count, head_dim);
-        free(pairs);
-    } else
-#endif
     if (is_bf16 && (head_dim == 64 || head_dim == 128)) {
         /* Each pass writes its vectors' sums whole: acc needs no clearing. */
         const int64_t per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
