@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from forklift.config import EngineConfig
@@ -184,3 +186,28 @@ def test_acceptance_record_learns_and_forgets():
     for _ in range(10):
         record.record(num_drafts=4, num_accepted=4)
     assert record.rate > 0.9
+
+
+def test_suffix_tails_kept_token_by_token_match_a_fresh_lookup():
+    """The tails found in the shared trie, grown as tokens arrive, propose what looking every
+    tail up again would (the shared trie changing as requests finish)."""
+    rng = random.Random(0)
+    kept = SuffixProposer(depth=8, max_cached_requests=3, max_spec_factor=2.0,
+                          min_token_prob=0.1)  # fmt: skip
+    fresh = SuffixProposer(depth=8, max_cached_requests=3, max_spec_factor=2.0,
+                           min_token_prob=0.1)  # fmt: skip
+    sequences = {f"r{i}": [rng.randrange(6) for _ in range(5)] for i in range(4)}
+    proposed = 0
+    for step in range(300):
+        request_id = rng.choice(sorted(sequences))
+        tokens = sequences[request_id]
+        tokens += [rng.randrange(6) for _ in range(rng.choice([1, 1, 1, 3, 12]))]
+        fresh._global_version += 1  # forces a fresh lookup of every tail
+        got = kept.propose(request_id, tokens, 5)
+        assert got == fresh.propose(request_id, tokens, 5)
+        proposed += bool(got)
+        if step % 25 == 24:
+            for proposer in (kept, fresh):
+                proposer.finish(request_id, tokens[5:])
+            sequences[request_id] = [rng.randrange(6) for _ in range(5)]
+    assert proposed > 100

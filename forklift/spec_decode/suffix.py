@@ -15,12 +15,22 @@ from dataclasses import dataclass, field
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "children", "best_token", "best")
 
     def __init__(self) -> None:
         self.count = 0
         # Most nodes are leaves: their dict is made on the first child.
         self.children: dict[int, _Node] | None = None
+        # The most frequent child and its token; among equals, the first to get there.
+        self.best: _Node | None = None
+        self.best_token = -1
+
+    def find_best(self) -> None:
+        """After counts fell: the most frequent child again, by a scan."""
+        children = self.children
+        self.best, self.best_token = None, -1
+        if children:
+            self.best_token, self.best = max(children.items(), key=lambda item: item[1].count)
 
     def child(self, token_id: int) -> _Node | None:
         return None if self.children is None else self.children.get(token_id)
@@ -45,11 +55,21 @@ class SuffixTrie:
         """Add tokens after the substrings ending at `open_nodes` (longest first, each one
         token shorter than the one before), returning the new open nodes."""
         keep = self.depth - 1
+        root = self.root
         for token_id in token_ids:
-            grown = [node.add_child(token_id) for node in open_nodes]
-            grown.append(self.root.add_child(token_id))
-            for node in grown:
-                node.count += 1
+            grown = []
+            for parent in (*open_nodes, root):  # inlined: this loop is the trie's hot path
+                children = parent.children
+                if children is None:
+                    children = parent.children = {}
+                child = children.get(token_id)
+                if child is None:
+                    child = children[token_id] = _Node()
+                child.count += 1
+                best = parent.best
+                if best is None or child.count > best.count:
+                    parent.best, parent.best_token = child, token_id
+                grown.append(child)
             open_nodes = grown[-keep:] if len(grown) > keep else grown
         return open_nodes
 
@@ -65,6 +85,9 @@ class SuffixTrie:
                 if child.count <= 0:
                     assert node.children is not None
                     del node.children[token_id]
+                if node.best is child:
+                    node.find_best()
+                if child.count <= 0:
                     break
                 node = child
 
@@ -87,8 +110,14 @@ class _Proposal:
 @dataclass
 class _RequestState:
     trie: SuffixTrie
+    # The own trie's nodes of the substrings ending the sequence, longest first, each one
+    # token shorter than the one before: the matches of every tail, kept as tokens arrive.
     open_nodes: list[_Node] = field(default_factory=list)
     num_added: int = 0
+    # The tails found in the shared trie, longest first, as (length, node); rebuilt when the
+    # shared trie changed since (`global_version`), else grown token by token.
+    global_matches: list[tuple[int, _Node]] = field(default_factory=list)
+    global_version: int = -1
 
 
 class SuffixProposer:
@@ -100,6 +129,7 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.global_trie = SuffixTrie(depth)
+        self._global_version = 0  # bumped whenever the shared trie changes
         self._cached: OrderedDict[str, list[int]] = OrderedDict()
         self._requests: dict[str, _RequestState] = {}
 
@@ -107,30 +137,54 @@ class SuffixProposer:
         state = self._requests.get(request_id)
         if state is None:
             state = self._requests[request_id] = _RequestState(SuffixTrie(self.depth))
-        if state.num_added < len(token_ids):
-            new = token_ids[state.num_added :]
+        new = token_ids[state.num_added :]
+        if new:
             state.open_nodes = state.trie.extend(state.open_nodes, new)
             state.num_added = len(token_ids)
+        self._match_globally(state, token_ids, new)
         if max_tokens <= 0:
             return []
         # The request's own trie also holds the tail being looked up: `own` discounts it.
-        best = self._best(state.trie, token_ids, max_tokens, own=True)
-        other = self._best(self.global_trie, token_ids, max_tokens, own=False)
+        count = len(state.open_nodes)
+        own = [(count - i, node) for i, node in enumerate(state.open_nodes)]
+        best = self._best(own, max_tokens, discount=1)
+        other = self._best(state.global_matches, max_tokens, discount=0)
         return (other if other.score > best.score else best).token_ids
 
+    def _match_globally(
+        self, state: _RequestState, token_ids: Sequence[int], new: Sequence[int]
+    ) -> None:
+        """Bring the sequence's tails found in the shared trie up to date."""
+        longest = self.depth - 1
+        if state.global_version != self._global_version or len(new) > longest:
+            matches = []
+            for length in range(min(longest, len(token_ids)), 0, -1):
+                node = self.global_trie.match(token_ids[len(token_ids) - length :])
+                if node is not None:
+                    matches.append((length, node))
+            state.global_matches, state.global_version = matches, self._global_version
+            return
+        matches = state.global_matches
+        for token_id in new:
+            grown = [(n + 1, c) for n, node in matches if (c := node.child(token_id)) is not None]
+            first = self.global_trie.root.child(token_id)
+            if first is not None:
+                grown.append((1, first))
+            matches = [(n, node) for n, node in grown if n <= longest]
+        state.global_matches = matches
+
     def _best(
-        self, trie: SuffixTrie, token_ids: Sequence[int], max_tokens: int, own: bool
+        self, matches: Sequence[tuple[int, _Node]], max_tokens: int, discount: int
     ) -> _Proposal:
+        """The best proposal from the tails found (longest first)."""
         best = _Proposal()
-        longest = min(self.depth - 1, len(token_ids))
-        for length in range(longest, 0, -1):
+        for length, node in matches:
+            if node.children is None or node.count <= discount:
+                continue  # seen only as the tail itself: nothing follows it yet
             limit = min(max_tokens, self.depth - length, int(self.max_spec_factor * length) or 1)
             if best.score >= limit:
                 break  # no shorter match can propose more
-            node = trie.match(token_ids[len(token_ids) - length :])
-            if node is None:
-                continue
-            proposal = self._follow(node, limit, discount=1 if own else 0)
+            proposal = self._follow(node, limit, discount)
             if proposal.score > best.score:
                 best = proposal
         return best
@@ -141,8 +195,8 @@ class SuffixProposer:
         continuation yet (in the request's own trie, the match itself is one of them)."""
         proposal = _Proposal()
         chance = 1.0
-        while len(proposal.token_ids) < limit and node.children:
-            token_id, child = max(node.children.items(), key=lambda item: item[1].count)
+        while len(proposal.token_ids) < limit and node.best is not None:
+            token_id, child = node.best_token, node.best
             seen = node.count - discount
             if seen <= 0:
                 break
@@ -158,6 +212,7 @@ class SuffixProposer:
         self._requests.pop(request_id, None)
         if self.max_cached_requests == 0 or not output_token_ids:
             return
+        self._global_version += 1
         if request_id in self._cached:  # an id reused after its first run ended
             self.global_trie.remove(self._cached.pop(request_id))
         tokens = list(output_token_ids)
