@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("forklift.core", "forklift.spec_decode")),
     ("model", ("forklift.model", "forklift.native")),
     ("sampling", ("forklift.sampling",)),
-    ("runner", ("forklift.runner",)),
+    # Drafters that run a model (a draft model, the MTP layer) sit beside the runner.
+    ("runner", ("forklift.runner", "forklift.spec_decode.draft_model", "forklift.spec_decode.mtp")),
     ("engine", ("forklift.engine",)),
     ("library", ("forklift.llm", "forklift.chat_session", "forklift.hf_reference")),
     ("rl", ("forklift.rl",)),
