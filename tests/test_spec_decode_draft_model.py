@@ -185,5 +185,20 @@ def test_drafts_the_target_cannot_check_are_refused(tiny_dir, tmp_path):
         make_llm(tiny_dir, speculative_config={**ITSELF, "draft_layers": 3})
     gemma = tmp_path / "gemma"
     make_tiny_model("gemma3", gemma)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="windows of their own"):
         make_llm(tiny_dir, speculative_config={"model": str(gemma), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_draft_models_of_the_llama_family(tmp_path, arch):
+    make_tiny_model(arch, tmp_path / "target")
+    make_tiny_model(arch, tmp_path / "draft", seed=1)
+    prompts = prompts_of(4, seed=12)
+    expected = run(make_llm(tmp_path / "target"), prompts, GREEDY)
+    for spec in (ITSELF, {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3,
+                          "adaptive_draft_length": False}):  # fmt: skip
+        llm = make_llm(tmp_path / "target", speculative_config=spec)
+        assert_same(run(llm, prompts, GREEDY), expected)
+        assert llm.llm_engine.spec_stats.num_drafts > 0
+        assert_no_leaks(llm)
+    assert acceptance(llm) < 0.9  # another model guesses worse than the target itself

@@ -112,5 +112,5 @@ def test_lookup_proposers_run_on_hybrids(hybrid_dir):
 
 def test_a_hybrid_draft_model_is_refused(hybrid_dir):
     spec = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="draft_model.*linear"):
+    with pytest.raises(ValueError, match="draft_model.*linear layers"):
         hybrid_llm(hybrid_dir, speculative_config=spec)

@@ -50,7 +50,7 @@ def load_draft_runner(
     max_model_len: int,
 ) -> ModelRunner:
     """The draft model on its own runner, checked against the target before its weights
-    load: same tokens, one KV group of whole-context attention, one rank."""
+    load: same tokens, one KV group of attention layers, one rank."""
     if config.tensor_parallel_size > 1:
         raise ValueError(
             "speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only"
@@ -81,17 +81,20 @@ def load_draft_runner(
         dtype=dtype,
         max_model_len=max_model_len,
         block_size=config.block_size,
+        sliding_window=draft.uniform_window,
         quantization=quantization_plan(source, full, method),
         decode_backend=config.decode_backend,
     )
 
 
 def _check_single_group(what: str, model_config: ModelConfig) -> None:
-    layout = kv_layout(model_config)
-    if model_config.is_hybrid or layout.windows != (None,) or model_config.uniform_window:
+    """One KV group of attention layers: the target's block tables serve the draft whole
+    (a window the same for every layer masks positions but keeps their blocks)."""
+    if model_config.is_hybrid or kv_layout(model_config).windows != (None,):
         raise ValueError(
-            f"speculative_config: method 'draft_model' needs whole-context attention in every "
-            f"layer; {what} ({model_config.architecture}) has linear or sliding-window layers"
+            f"speculative_config: method 'draft_model' needs attention layers sharing one "
+            f"KV layout; {what} ({model_config.architecture}) has linear layers or layers "
+            "with windows of their own"
         )
 
 
