@@ -48,7 +48,6 @@ def test_config_takes_vllm_keys_from_a_dict_or_json():
             "draft_layers",
         ),  # fmt: skip
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_layers": 2}, "draft_layers"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
         ({"method": "lookahead", "num_speculative_tokens": 2}, "method must be one of"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo_key": 1}, "typo_key"),
         (

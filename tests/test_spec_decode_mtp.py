@@ -106,7 +106,17 @@ def test_mtp_with_seeded_samples_forks_and_aborts(mtp_model):
     params = SamplingParams(n=3, temperature=0.8, max_tokens=20, ignore_eos=True, seed=9)
     expected = run(hybrid_llm(tiny.path), prompts, params)
     llm = hybrid_llm(tiny.path, speculative_config=MTP)
+    drafted = set()
+    propose = llm.llm_engine.proposer.propose_batch
+
+    def recording(queries):
+        proposals = propose(queries)
+        drafted.update(q.request_id for q, d in zip(queries, proposals, strict=True) if d)
+        return proposals
+
+    llm.llm_engine.proposer.propose_batch = recording
     assert_same(run(llm, prompts, params), expected)
+    assert len(drafted) == 6  # every sample, those forked from a leader's prompt too
     engine = llm.llm_engine
     ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts_of(4, 7)]
     for _ in range(5):

@@ -169,7 +169,7 @@ class Scheduler:
             lent: list[int] = []
             if num_drafts and self.state_pool is not None:
                 # A hybrid keeps the state after every draft: a spare slot for each.
-                lent = self.state_pool.lend(min(num_drafts, self._spare_state_slots()))
+                lent = self.state_pool.lend(min(num_drafts, self.spare_state_slots()))
                 num_drafts = len(lent)
             if num_drafts:
                 num_new = 1 + num_drafts
@@ -194,7 +194,7 @@ class Scheduler:
             idx += 1
         return budget
 
-    def _spare_state_slots(self) -> int:
+    def spare_state_slots(self) -> int:
         """Free state slots a verification may borrow: those the waiting requests that could
         start now would not need."""
         assert self.state_pool is not None

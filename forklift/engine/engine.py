@@ -36,14 +36,23 @@ from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.lora_store import LoRALimits
-from forklift.runner.memory import module_bytes
 from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
-from forklift.spec_decode.draft_model import DraftModelProposer, load_draft_runner
-from forklift.spec_decode.mtp import MtpProposer, load_mtp, mtp_block_bytes
+from forklift.spec_decode.draft_model import (
+    DraftModelProposer,
+    load_draft_runner,
+    resolve_draft,
+)
+from forklift.spec_decode.mtp import (
+    MtpProposer,
+    check_mtp,
+    load_mtp,
+    mtp_block_bytes,
+    mtp_weight_bytes,
+)
 from forklift.spec_decode.proposer import (
     BatchProposer,
     DraftQuery,
@@ -74,6 +83,9 @@ def _sequence_ids(request_id: str, n: int) -> list[str]:
 
 # Step records kept for inspection (tests, debugging); older ones are dropped.
 _STEP_LOG_SIZE = 4096
+# Spare state slots a hybrid model plans for verifying drafts (each state is large: the
+# seed's 27B model holds 147 MiB a sequence), whatever num_speculative_tokens asks.
+MAX_SPARE_STATE_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,13 @@ class LLMEngine:
         self.model_source = source
         self.model_config = load_model_config(source)
         self.speculation = config.speculation
+        # Speculation's drafter, checked against the model before any weight loads.
+        method = self.speculation.method if self.speculation is not None else None
+        draft = None
+        if self.speculation is not None and method == "draft_model":
+            draft = resolve_draft(self.speculation, config, source, self.model_config)
+        if method == "mtp":
+            check_mtp(source, self.model_config, config.tensor_parallel_size)
         lora_limits = self._lora_limits()  # refused before any weight loads
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self.device = config.resolve_device()
@@ -182,28 +201,27 @@ class LLMEngine:
         # Speculation's draft model or MTP layer: its K/V share the target's blocks and budget.
         self.draft_runner: ModelRunner | None = None
         self.mtp: MtpProposer | None = None
-        method = self.speculation.method if self.speculation is not None else None
-        if self.speculation is not None and method == "draft_model":
+        if draft is not None:
             self.draft_runner = load_draft_runner(
-                self.speculation, config, source, self.model_config, device=self.device,
-                dtype=self.dtype, max_model_len=self.max_model_len,
+                draft, config, device=self.device, dtype=self.dtype,
+                max_model_len=self.max_model_len,
             )  # fmt: skip
         mtp_layer = None
         if method == "mtp":
             mtp_layer = load_mtp(
                 source, self.model_config, device=self.device, dtype=self.dtype,
-                max_model_len=self.max_model_len, tensor_parallel_size=config.tensor_parallel_size,
+                max_model_len=self.max_model_len,
             )  # fmt: skip
         extra_weight_bytes, extra_block_bytes = 0, 0
         if self.draft_runner is not None:
             extra_weight_bytes = self.draft_runner.weight_bytes
             extra_block_bytes = self.draft_runner.kv_block_bytes
         elif mtp_layer is not None:
-            extra_weight_bytes = module_bytes(mtp_layer)
+            extra_weight_bytes = mtp_weight_bytes(mtp_layer)
             extra_block_bytes = mtp_block_bytes(mtp_layer, config.block_size)
         self.kv_plan = self.runner.plan_kv_cache(
             max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
-            max_num_seqs=config.max_num_seqs + self._spare_state_slots(),
+            max_num_seqs=config.max_num_seqs + self._planned_spare_slots(),
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             num_blocks_override=config.num_gpu_blocks_override,
             memory_utilization=config.resolve_memory_utilization(self.device),
@@ -245,11 +263,13 @@ class LLMEngine:
         self._draft_cost = 0.0
         if self.draft_runner is not None:
             self._draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
-            self.proposer = DraftModelProposer(self.draft_runner, self.kv_manager)
+            self.proposer = DraftModelProposer(
+                self.draft_runner, self.kv_manager, config.resolve_max_num_batched_tokens()
+            )
         elif self.mtp is not None:
             # The layer and the head it shares (about as large as the embedding).
             head = self.runner.model.embed_tokens.weight
-            guess_bytes = module_bytes(self.mtp.mtp) + head.numel() * head.element_size()
+            guess_bytes = mtp_weight_bytes(self.mtp.mtp) + head.numel() * head.element_size()
             self._draft_cost = guess_bytes / self.runner.weight_bytes
             self.proposer = self.mtp
         elif self.speculation is not None:
@@ -340,12 +360,13 @@ class LLMEngine:
         if self.mtp is not None:
             self.mtp.allocate_cache(self.kv_plan.num_blocks)
 
-    def _spare_state_slots(self) -> int:
+    def _planned_spare_slots(self) -> int:
         """State slots a hybrid model plans beyond max_num_seqs: a sequence verifying k
-        drafts borrows k for the step, so even max_num_seqs sequences can speculate."""
+        drafts borrows k for the step (at most MAX_SPARE_STATE_SLOTS, shared by the running
+        sequences), so speculation goes on at full batch."""
         if self.speculation is None or not self.model_config.is_hybrid:
             return 0
-        return self.speculation.num_speculative_tokens
+        return min(self.speculation.num_speculative_tokens, MAX_SPARE_STATE_SLOTS)
 
     def _check_kv_fits(self) -> None:
         plan = self.kv_plan
@@ -578,6 +599,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched.scheduled, sched.state_copies, sched.lora_loads)
             if self.mtp is not None and self.runner.hidden_states is not None:
+                self._fork_mtp(sched.scheduled)
                 self.mtp.record_step(sched.scheduled, self.runner.hidden_states)
                 self.runner.hidden_states = None
         except RuntimeError as exc:
@@ -617,6 +639,20 @@ class LLMEngine:
         self._record_step(sched, now, time.perf_counter() - started, emitted)
         return [self._emit(parent) for parent in touched.values()]
 
+    def _fork_mtp(self, scheduled: list[ScheduledChunk]) -> None:
+        """A sample starting past its prompt's shared blocks takes over the MTP layer's
+        progress of a sibling there (the blocks hold its K/V for both)."""
+        assert self.mtp is not None
+        for chunk in scheduled:
+            if chunk.start == 0 or self.mtp.knows(chunk.request_id):
+                continue
+            parent, _ = self._sequences[chunk.request_id]
+            for sibling in parent.sequences:
+                sibling_id = sibling.request.request_id
+                if sibling_id != chunk.request_id and self.mtp.knows(sibling_id):
+                    self.mtp.fork(sibling_id, chunk.request_id, chunk.start)
+                    break
+
     def _accepted_tokens(
         self, chunk: ScheduledChunk, rows: list[int], out: SamplerOutput
     ) -> int | list[int]:
@@ -637,48 +673,65 @@ class LLMEngine:
         """Drafts for each decoding sequence's next step. Under `disable_by_batch_size`
         running sequences, none; with `adaptive_draft_length`, as many as the sequence's
         recent acceptance makes worth their rows at this batch size; with the native step,
-        only as many as keep the step within its rows. Under a grammar, only the drafts it
-        allows. Lookups propose one sequence at a time; a draft model for all at once."""
+        only as many as keep the step within its rows; on a hybrid model, only as many as
+        spare state slots allow. Under a grammar, only the drafts it allows. Lookups propose
+        one sequence at a time; a draft model for all at once. The MTP layer is asked about
+        every running sequence, drafting or not: it must see every position the target
+        computes (see spec_decode/mtp.py)."""
         spec = self.speculation
         assert spec is not None and self.proposer is not None
         running = self.scheduler.running
-        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+        disabled = (
+            spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
+        )
+        if disabled and self.mtp is None:
             return
         batched = isinstance(self.proposer, BatchProposer)
         spare_rows = None
         if self.runner.native_step is not None:
             spare_rows = min(NATIVE_STEP_MAX_ROWS, VERIFY_MAX_ROWS) - len(running)
+        spare_slots = self.scheduler.spare_state_slots() if self.state_pool else None
         asking: list[tuple[Request, DraftQuery]] = []
         for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue
-            # The step yields one token past its drafts: keep all of them within max_tokens.
-            room = request.max_tokens - request.num_output_tokens - 1
-            wanted = min(spec.num_speculative_tokens, room)
-            if spec.adaptive_draft_length:
-                wanted = drafts_worth_verifying(
-                    request.acceptance.rate, len(running), wanted, self._draft_cost
-                )
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            wanted = 0 if disabled or not decoding else self._drafts_wanted(request, len(running))
             if spare_rows is not None:
                 wanted = min(wanted, spare_rows)
-            if wanted <= 0:
+            if spare_slots is not None:
+                wanted = min(wanted, spare_slots)
+            if decoding and wanted <= 0:
                 request.acceptance.idle()
+            if wanted <= 0 and self.mtp is None:
                 continue
             query = DraftQuery(
                 request.request_id, request.all_token_ids, request.num_computed_tokens,
-                request.num_preemptions, wanted,
+                request.num_preemptions, max(wanted, 0),
             )  # fmt: skip
             if batched:
                 asking.append((request, query))
-                drafted = wanted
+                drafted = max(wanted, 0)
             else:
                 drafted = self._set_drafts(request, propose_all(self.proposer, [query])[0])
             if spare_rows is not None:
                 spare_rows -= drafted
+            if spare_slots is not None:
+                spare_slots -= drafted
         if asking:
             proposals = propose_all(self.proposer, [query for _, query in asking])
-            for (request, _), drafts in zip(asking, proposals, strict=True):
-                self._set_drafts(request, drafts)
+            for (request, query), drafts in zip(asking, proposals, strict=True):
+                if query.max_tokens:
+                    self._set_drafts(request, drafts)
+
+    def _drafts_wanted(self, request: Request, num_running: int) -> int:
+        spec = self.speculation
+        assert spec is not None
+        # The step yields one token past its drafts: keep all of them within max_tokens.
+        room = request.max_tokens - request.num_output_tokens - 1
+        wanted = min(spec.num_speculative_tokens, room)
+        if spec.adaptive_draft_length:
+            rate = request.acceptance.rate
+            wanted = drafts_worth_verifying(rate, num_running, wanted, self._draft_cost)
+        return wanted
 
     @staticmethod
     def _set_drafts(request: Request, drafts: list[int]) -> int:

@@ -90,6 +90,8 @@ class SpeculativeConfig:
                 f"got {method!r}"
             )
         values["method"] = method
+        if method != "draft_model":
+            values.pop("model", None)  # vLLM's name for the proposer's model: the target here
         if "num_speculative_tokens" not in values:
             if method != "suffix":
                 raise ValueError(
@@ -136,12 +138,11 @@ class SpeculativeConfig:
 
     def _validate_draft(self) -> None:
         if self.method != "draft_model":
-            for key in ("model", "draft_layers"):
-                if getattr(self, key) is not None:
-                    raise ValueError(
-                        f"speculative_config: {key} belongs to method 'draft_model', "
-                        f"not {self.method!r}"
-                    )
+            if self.draft_layers is not None:
+                raise ValueError(
+                    "speculative_config: draft_layers belongs to method 'draft_model', "
+                    f"not {self.method!r}"
+                )
             return
         if self.model is None and self.draft_layers is None:
             raise ValueError(

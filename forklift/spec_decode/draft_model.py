@@ -33,56 +33,80 @@ from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.config import SpeculativeConfig
 from forklift.spec_decode.proposer import DraftQuery
 
-# A catch-up this long runs as one chunk (PyTorch's prefill layers); shorter ones feed a
-# token per forward, so the rounds stay decode steps the native step runs whole.
+# A catch-up longer than this runs as chunks (PyTorch's prefill layers); shorter ones feed
+# one row per token in one forward, so the rounds stay decode steps the native step takes.
 LONG_CATCH_UP = 4
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def load_draft_runner(
+@dataclass(frozen=True)
+class DraftSpec:
+    """The draft model, checked: where it is, its checkpoint's shape and the shape run."""
+
+    source: ModelSource
+    checkpoint: ModelConfig
+    config: ModelConfig
+
+
+def resolve_draft(
     spec: SpeculativeConfig,
     config: EngineConfig,
     target_source: ModelSource,
     target_config: ModelConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> ModelRunner:
-    """The draft model on its own runner, checked against the target before its weights
-    load: same tokens, one KV group of attention layers, one rank."""
+) -> DraftSpec:
+    """The draft, checked against the target before any weight loads: same tokens, one KV
+    layout for all its layers, one rank."""
     if config.tensor_parallel_size > 1:
         raise ValueError(
             "speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only"
         )
     _check_single_group("the target model", target_config)
-    source = target_source if spec.model is None else resolve_model(spec.model)
-    full = load_model_config(source)
-    _check_single_group("the draft model", full)
-    if full.vocab_size > target_config.vocab_size:
+    source = target_source
+    if spec.model is not None:
+        try:
+            source = resolve_model(spec.model)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"speculative_config: model {spec.model!r}: {exc}") from exc
+    checkpoint = load_model_config(source)
+    _check_single_group("the draft model", checkpoint)
+    if checkpoint.vocab_size > target_config.vocab_size:
         raise ValueError(
-            f"speculative_config: the draft model's vocabulary ({full.vocab_size} tokens) is "
-            f"larger than the target's ({target_config.vocab_size}); they must share a tokenizer"
+            f"speculative_config: the draft model's vocabulary ({checkpoint.vocab_size} "
+            f"tokens) is larger than the target's ({target_config.vocab_size}); they must "
+            "share a tokenizer"
         )
-    num_layers = full.num_layers if spec.draft_layers is None else spec.draft_layers
-    if num_layers > full.num_layers:
+    num_layers = checkpoint.num_layers if spec.draft_layers is None else spec.draft_layers
+    if num_layers > checkpoint.num_layers:
         raise ValueError(
             f"speculative_config: draft_layers must be at most the draft model's "
-            f"{full.num_layers} layers, got {num_layers}"
+            f"{checkpoint.num_layers} layers, got {num_layers}"
         )
     draft = dataclasses.replace(
-        full, num_layers=num_layers, layer_types=full.layer_types[:num_layers]
+        checkpoint, num_layers=num_layers, layer_types=checkpoint.layer_types[:num_layers]
     )
-    method = resolve_quantization(config.quantization, config.dtype, source.format, device)
+    return DraftSpec(source, checkpoint, draft)
+
+
+def load_draft_runner(
+    draft: DraftSpec,
+    config: EngineConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> ModelRunner:
+    """The draft model on its own runner, in its own precision (a GGUF draft on its block
+    kernels)."""
+    method = resolve_quantization(config.quantization, config.dtype, draft.source.format, device)
     return ModelRunner(
-        draft,
-        partial(_first_layers_weights, source, full, num_layers),
+        draft.config,
+        partial(_first_layers_weights, draft.source, draft.checkpoint, draft.config.num_layers),
         device=device,
         dtype=dtype,
         max_model_len=max_model_len,
         block_size=config.block_size,
-        sliding_window=draft.uniform_window,
-        quantization=quantization_plan(source, full, method),
+        sliding_window=draft.config.uniform_window,
+        quantization=quantization_plan(draft.source, draft.checkpoint, method),
         decode_backend=config.decode_backend,
     )
 
@@ -127,9 +151,14 @@ class _Drafting:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self, runner: ModelRunner, kv_manager: KVCacheManager, max_chunk_tokens: int
+    ) -> None:
         self.runner = runner
         self.kv_manager = kv_manager
+        # A forward's catch-up tokens at most (the target's step budget): a long prompt is
+        # fed over several forwards, within the activations the memory plan measured.
+        self.max_chunk_tokens = max_chunk_tokens
         self._progress: dict[str, DraftProgress] = {}
         # Greedy rows: the draft's best guess (any guess keeps the output the target's).
         self._greedy = SamplingRow(SamplingParams(temperature=0.0), 0, (), ())
@@ -149,32 +178,46 @@ class DraftModelProposer:
         return [[] if item is None else item.drafts for item in started]
 
     def _forward(self, live: list[_Drafting]) -> list[_Drafting]:
-        """One draft forward over every live sequence: its tokens still to feed (a short run
-        as one row each, which the native step takes; a long one as a chunk) and the guess
-        after them. Returns the sequences with more to guess."""
+        """One draft forward over the live sequences: the tokens each has still to feed (a
+        short run as one row each, which the native step takes; a long one as chunks within
+        the token budget) and, once it has fed them all, its next guess. Returns the
+        sequences with more to feed or guess."""
         chunks: list[ScheduledChunk] = []
-        last_row: list[int] = []
+        fed: list[tuple[_Drafting, int, int]] = []  # (sequence, tokens fed, its last row)
+        budget = self.max_chunk_tokens
         for item in live:
+            pending = item.pending
             table = self.kv_manager.block_table(item.query.request_id)
-            step = len(item.pending) if len(item.pending) > LONG_CATCH_UP else 1
-            for offset in range(0, len(item.pending), step):
+            if len(pending) > LONG_CATCH_UP:
+                take = min(len(pending), budget)
+                if take == 0:
+                    continue  # the next forward feeds it
+                budget -= take
+                runs = [(0, take)]
+            else:
+                runs = [(offset, 1) for offset in range(len(pending))]
+            for offset, length in runs:
                 chunks.append(ScheduledChunk(
-                    item.query.request_id, item.pending[offset : offset + step],
+                    item.query.request_id, pending[offset : offset + length],
                     item.position + offset, table, sampling=self._greedy,
                 ))  # fmt: skip
-            last_row.append(len(chunks) - 1)
+            fed.append((item, runs[-1][0] + runs[-1][1], len(chunks) - 1))
         output = self.runner.execute(chunks).sampler_output
         assert output is not None
-        still = []
-        for item, row in zip(live, last_row, strict=True):
-            item.position += len(item.pending)
+        done = set()
+        for item, count, row in fed:
+            item.position += count
+            del item.pending[:count]
             self._progress[item.query.request_id].num_computed = item.position
+            if item.pending:
+                continue  # still catching up: the row's token is no guess
             token = output.token_ids[row]
             item.drafts.append(token)
             if len(item.drafts) < item.query.max_tokens:
                 item.pending = [token]
-                still.append(item)
-        return still
+            else:
+                done.add(id(item))
+        return [item for item in live if id(item) not in done]
 
     def _start(self, query: DraftQuery) -> _Drafting | None:
         """Reserve the blocks of the positions this call writes; None when the sequence

@@ -30,16 +30,8 @@ from forklift.runner.model_runner import ModelRunner
 from forklift.spec_decode.proposer import DraftQuery
 
 
-def load_mtp(
-    source: ModelSource,
-    model_config: ModelConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-    tensor_parallel_size: int,
-) -> MultiTokenPredictor:
-    """The checkpoint's MTP layer, refused with the reason where it cannot run."""
+def check_mtp(source: ModelSource, model_config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Refuse, before any weight loads, a model whose MTP layer cannot run here."""
     if not (model_config.is_hybrid and model_config.attention_output_gate):
         raise ValueError(
             "speculative_config: method 'mtp' runs Qwen3.5 checkpoints, whose MTP layer it "
@@ -52,6 +44,17 @@ def load_mtp(
         )
     if tensor_parallel_size > 1:
         raise ValueError("speculative_config: method 'mtp' runs with tensor_parallel_size 1")
+
+
+def load_mtp(
+    source: ModelSource,
+    model_config: ModelConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> MultiTokenPredictor:
+    """The checkpoint's MTP layer (`check_mtp` first)."""
     with torch.device(device):
         mtp = MultiTokenPredictor(model_config, max_model_len)
     mtp.load_weights(iter_model_weights(source, model_config))
@@ -60,6 +63,13 @@ def load_mtp(
         if isinstance(module, Linear):
             module.pack()
     return mtp
+
+
+def mtp_weight_bytes(mtp: MultiTokenPredictor) -> int:
+    """The layer's parameters and their packed copies."""
+    tensors = [*mtp.parameters()]
+    tensors += [m.packed_weight for m in mtp.modules() if isinstance(m, Linear)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def mtp_block_bytes(mtp: MultiTokenPredictor, block_size: int) -> int:
@@ -108,8 +118,13 @@ class MtpProgress:
 
 @dataclass
 class _Guessing:
+    """One sequence within a call: its layer catches up to `end` (the positions whose next
+    token is known), then guesses `guesses` tokens."""
+
     query: DraftQuery
     progress: MtpProgress
+    end: int
+    guesses: int
     drafts: list[int] = field(default_factory=list)
 
 
@@ -146,66 +161,88 @@ class MtpProposer:
             first += chunk.num_new_tokens
             self._progress.setdefault(chunk.request_id, MtpProgress()).add(chunk.start, rows)
 
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._progress
+
+    def fork(self, source_id: str, target_id: str, position: int) -> None:
+        """`target` shares `source`'s blocks before `position` (a sample of the same prompt):
+        it shares the layer's K/V in them and the kept hidden states up to there."""
+        source = self._progress.get(source_id)
+        if source is None:
+            return
+        start = min(source.num_computed, position)
+        rows = source.rows(start, position) if start < position else None
+        if start < position and rows is None:
+            return  # the hidden states it would catch up on are gone: it starts afresh
+        fork = MtpProgress(num_computed=start, hidden_start=start)
+        if rows is not None:
+            fork.hidden = rows.clone()
+        self._progress[target_id] = fork
+
     def propose_batch(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        """Guesses for the queries asking for some; every query's sequence catches up."""
         assert self.cache is not None, "the MTP cache was freed (sleep): wake the engine"
         live = [g for q in queries if (g := self._start(q)) is not None]
         if live:
             with torch.inference_mode():
                 self._guess(live)
         for item in live:
-            self.kv_manager.release_tail(
-                item.query.request_id, len(item.query.token_ids) + len(item.drafts)
-            )
+            if item.guesses:
+                self.kv_manager.release_tail(
+                    item.query.request_id, len(item.query.token_ids) + len(item.drafts)
+                )
         by_id = {item.query.request_id: item.drafts for item in live}
         return [by_id.get(q.request_id, []) for q in queries]
 
     def _start(self, query: DraftQuery) -> _Guessing | None:
         progress = self._progress.get(query.request_id)
-        if progress is None or query.max_tokens <= 0:
+        if progress is None:
             return None
         if progress.num_preemptions != query.num_preemptions:
             progress.num_preemptions = query.num_preemptions
             progress.num_computed = 0
-        newest = query.num_computed_tokens
-        progress.num_computed = min(progress.num_computed, newest)
-        if progress.num_computed == newest or progress.rows(progress.num_computed, newest) is None:
+        # The layer reads the token after each position: up to the newest token's.
+        end = min(query.num_computed_tokens, len(query.token_ids) - 1)
+        progress.num_computed = min(progress.num_computed, end)
+        if progress.num_computed == end or progress.rows(progress.num_computed, end) is None:
             return None
-        # Written: the catch-up and every guess but the last.
-        if not self.kv_manager.allocate_slots(
-            query.request_id, len(query.token_ids) + query.max_tokens - 1
+        guesses = query.max_tokens if end == query.num_computed_tokens else 0
+        # Written by guesses: every one but the last, past the newest token.
+        if guesses and not self.kv_manager.allocate_slots(
+            query.request_id, len(query.token_ids) + guesses - 1
         ):
-            return None
-        return _Guessing(query, progress)
+            guesses = 0
+        return _Guessing(query, progress, end, guesses)
 
     def _guess(self, live: list[_Guessing]) -> None:
         chunks, inputs = [], []
         for item in live:
-            query, progress = item.query, item.progress
-            newest = query.num_computed_tokens
-            rows = progress.rows(progress.num_computed, newest)
+            start = item.progress.num_computed
+            rows = item.progress.rows(start, item.end)
             assert rows is not None
-            chunks.append(self._chunk(query, query.token_ids[progress.num_computed + 1 :],
-                                      progress.num_computed))  # fmt: skip
+            chunks.append(self._chunk(item.query, item.query.token_ids[start + 1 : item.end + 1],
+                                      start))  # fmt: skip
             inputs.append(rows)
         last = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
         outputs = self._forward(chunks, torch.cat(inputs))[last]
         for item in live:  # the catch-up is consumed: guesses never enter the kept K/V
-            item.progress.consumed(item.query.num_computed_tokens)
+            item.progress.consumed(item.end)
+        guessing = [i for i, item in enumerate(live) if item.guesses]
+        live, outputs = [live[i] for i in guessing], outputs[guessing]
         rounds = 0
         while live:
             tokens = self.runner.model.compute_logits(outputs).argmax(-1).tolist()
             still, kept = [], []
             for index, (item, token) in enumerate(zip(live, tokens, strict=True)):
                 item.drafts.append(token)
-                if len(item.drafts) < item.query.max_tokens:
+                if len(item.drafts) < item.guesses:
                     still.append(item)
                     kept.append(index)
             live, rounds = still, rounds + 1
             if not live:
                 break
             chunks = [
-                self._chunk(item.query, [item.drafts[-1]],
-                            item.query.num_computed_tokens + rounds - 1)
+                self._chunk(item.query, [item.drafts[-1]], item.end + rounds - 1)
                 for item in live
             ]  # fmt: skip
             outputs = self._forward(chunks, outputs[kept])
