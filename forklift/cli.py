@@ -46,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model" or '
-        '"draft_layers"; default off)',
+        '"draft_layers", mtp; default off)',
     )
     group.add_argument(
         "--enable-lora",

@@ -1,8 +1,9 @@
 """State slots of a hybrid model's linear-attention layers, one per sequence that holds one.
 
 Unlike KV blocks, a sequence's linear-layer state has a fixed size whatever its length, so
-it needs exactly one slot from the time it is first scheduled until it finishes, is aborted
-or is preempted (preemption drops the state; the recompute starts from zeros). Slot 0 is the
+it holds exactly one slot from the time it is first scheduled until it finishes, is aborted
+or is preempted (preemption drops the state; the recompute starts from zeros); after a
+verification of drafts, that slot may be another one (see below). Slot 0 is the
 zero state every sequence at position 0 reads and is never handed out.
 
 Speculation borrows spare slots for one step: a sequence verifying k drafts writes the

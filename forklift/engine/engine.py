@@ -417,7 +417,8 @@ class LLMEngine:
             )  # fmt: skip
         if plan.num_state_slots:
             logger.info(
-                "linear-layer states: %d slots x %.2f MiB = %.1f MiB (one per running sequence)",
+                "linear-layer states: %d slots x %.2f MiB = %.1f MiB (one per running sequence, "
+                "and spares for verifying drafts)",
                 plan.num_state_slots,
                 plan.state_bytes_per_slot / 2**20,
                 plan.state_bytes / 2**20,

@@ -146,7 +146,8 @@ def plan_kv_cache(
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
     fixes the block count instead (and gives a hybrid model a slot per sequence).
-    `extra_bytes_per_block`: a draft model's K/V, held in the same blocks."""
+    `extra_bytes_per_block`: a speculation drafter's K/V (a draft model's, an MTP
+    layer's), held in the same blocks."""
     bytes_per_block = kv_block_bytes(model_config, dtype, block_size) + extra_bytes_per_block
     groups = {"windows": kv_layout(model_config).windows, "max_chunk": max_chunk}
     per_slot = state_bytes_per_sequence(model_config, dtype)

@@ -21,7 +21,8 @@ class _Node:
         self.count = 0
         # Most nodes are leaves: their dict is made on the first child.
         self.children: dict[int, _Node] | None = None
-        # The most frequent child and its token; among equals, the first to get there.
+        # The most frequent child and its token; among equals, the first to get there (after
+        # an eviction lowered counts, the first added).
         self.best: _Node | None = None
         self.best_token = -1
 
