@@ -9,7 +9,13 @@ import json
 
 import pytest
 from test_engine import BLOCK_BYTES, make_llm
-from test_spec_decode_engine import assert_no_leaks, assert_same, prompts_of, run
+from test_spec_decode_engine import (
+    abort_every_other,
+    assert_no_leaks,
+    assert_same,
+    prompts_of,
+    run,
+)
 from tiny_models import make_tiny_model
 
 from forklift import SamplingParams
@@ -120,19 +126,10 @@ def test_aborted_requests_leave_nothing_behind(tiny_dir):
     prompts = prompts_of(6, seed=8)
     expected = run(make_llm(tiny_dir), prompts, GREEDY)
     llm = make_llm(tiny_dir, speculative_config=ITSELF)
-    engine = llm.llm_engine
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts]
-    for _ in range(4):
-        engine.step()
-    engine.abort_request(ids[::2])
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0].token_ids
+    ids, finished = abort_every_other(llm, prompts, GREEDY)
     for index in range(1, 6, 2):
         assert finished[ids[index]] == expected[index].outputs[0].token_ids
-    assert engine.proposer._progress == {}
+    assert llm.llm_engine.proposer._progress == {}
     assert_no_leaks(llm)
 
 

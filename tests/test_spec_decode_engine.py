@@ -84,6 +84,24 @@ def assert_same(got, expected, logprobs: bool = False) -> None:
                         assert p[t].logprob == pytest.approx(q[t].logprob, abs=1e-4)
 
 
+def abort_every_other(
+    llm: LLM, prompts, params, steps: int = 4
+) -> tuple[list[str], dict[str, list[int]]]:
+    """Start every prompt, take `steps` steps, abort every other request and run the rest
+    to their end: the request ids, and the tokens of those that finished."""
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    for _ in range(steps):
+        engine.step()
+    engine.abort_request(ids[::2])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    return ids, finished
+
+
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
@@ -187,16 +205,7 @@ def test_aborts_between_steps_leave_nothing_behind(tiny_dir):
     expected = run(make_llm(tiny_dir), prompts, params)
     llm = make_llm(tiny_dir, speculative_config=SPEC)
     oracle = with_oracle(llm, sequences(expected))
-    engine = llm.llm_engine
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
-    for _ in range(4):
-        engine.step()
-    engine.abort_request(ids[::2])
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0].token_ids
+    ids, finished = abort_every_other(llm, prompts, params)
     for index in range(1, 6, 2):
         assert finished[ids[index]] == expected[index].outputs[0].token_ids
     assert sorted(oracle.finished) == sorted(ids)  # the proposer forgot every request

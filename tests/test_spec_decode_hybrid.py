@@ -8,6 +8,7 @@ import pytest
 from test_spec_decode_engine import (
     SPEC,
     OracleProposer,
+    abort_every_other,
     assert_same,
     prompts_of,
     run,
@@ -91,13 +92,7 @@ def test_hybrid_drafts_with_forked_samples_and_aborts(hybrid_dir):
     llm = hybrid_llm(hybrid_dir, speculative_config=SPEC)
     with_oracle(llm, expected, seed=6)
     assert_same(run(llm, prompts, params), expected)
-    engine = llm.llm_engine
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts_of(4, 7)]
-    for _ in range(5):
-        engine.step()
-    engine.abort_request(ids[:2])
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_every_other(llm, prompts_of(4, 7), GREEDY, steps=5)
     assert_nothing_held(llm)
 
 

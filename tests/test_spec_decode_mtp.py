@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_decode_engine import assert_same, prompts_of, run
+from test_spec_decode_engine import abort_every_other, assert_same, prompts_of, run
 from test_spec_decode_hybrid import assert_nothing_held, hybrid_llm
 from tiny_models import add_mtp_layer, make_tiny_hybrid, make_tiny_model
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -118,12 +118,7 @@ def test_mtp_with_seeded_samples_forks_and_aborts(mtp_model):
     assert_same(run(llm, prompts, params), expected)
     assert len(drafted) == 6  # every sample, those forked from a leader's prompt too
     engine = llm.llm_engine
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts_of(4, 7)]
-    for _ in range(5):
-        engine.step()
-    engine.abort_request(ids[:2])
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_every_other(llm, prompts_of(4, 7), GREEDY, steps=5)
     assert engine.spec_stats.num_draft_tokens > 0
     assert_nothing_held(llm)
     assert engine.proposer._progress == {}
