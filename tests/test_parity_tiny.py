@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 from tiny_models import ARCHITECTURES, VOCAB, hf_greedy, make_tiny_model
@@ -21,7 +22,9 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_greedy_tokens_and_logprobs_match_transformers(arch, tmp_path):
     tiny = make_tiny_model(arch, tmp_path)
-    prompts = _prompts(hash(arch) % 1000)
+    # A seed fixed per architecture (str hashes change from process to process): random
+    # tiny models have near-ties that fp32 rounding may flip, so the prompts stay put.
+    prompts = _prompts(zlib.crc32(arch.encode()) % 1000)
     llm = LLM(
         model=str(tmp_path),
         dtype="float32",
