@@ -63,10 +63,7 @@ def build_linear_metadata(
     # One-token rows step the recurrent form in waves: a continuing row after the row it
     # continues has written the state it reads.
     decodes = np.flatnonzero(query_lens == 1)
-    wave = np.zeros(rows, dtype=np.int64)
-    for r in range(1, rows):
-        if continues[r]:
-            wave[r] = wave[r - 1] + 1
+    wave = np.arange(rows) - heads[chain_of_row]  # a row's place in its chain
     waves = []
     for w in range(int(wave[decodes].max()) + 1 if decodes.size else 0):
         members = decodes[wave[decodes] == w]

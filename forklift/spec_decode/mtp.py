@@ -3,9 +3,10 @@ model/mtp.py), which reads the target's final hidden states.
 
 The layer's K/V at position p come from the target's hidden state at p and the token at
 p + 1, so it must see every position the target computes: the engine hands it each step's
-hidden states (`record_step`), a sequence keeps those it has not consumed, and before
-guessing the layer catches up on them in one chunk; its last output guesses the token after
-the newest, and each further guess feeds the layer's own output back, one position on. The
+hidden states (`record_step`) and asks about every running sequence after each step, and
+the layer catches up in one chunk on the positions whose next token is known. For a
+sequence asking for drafts, that chunk's last output guesses the token after the newest,
+and each further guess feeds the layer's own output back, one position on. The
 K/V of guesses are never trusted later (they came from the layer's output, not the target's
 hidden state): the next call starts again at the target's count. The cache has the target's
 block count and is indexed by the target's block ids, as a draft model's.
@@ -26,6 +27,7 @@ from forklift.model.llama import LayerCache
 from forklift.model.model_config import ModelConfig
 from forklift.model.model_source import iter_model_weights
 from forklift.model.mtp import MultiTokenPredictor
+from forklift.runner.memory import kv_block_bytes, module_bytes
 from forklift.runner.model_runner import ModelRunner
 from forklift.spec_decode.proposer import DraftQuery
 
@@ -66,17 +68,14 @@ def load_mtp(
 
 
 def mtp_weight_bytes(mtp: MultiTokenPredictor) -> int:
-    """The layer's parameters and their packed copies."""
-    tensors = [*mtp.parameters()]
-    tensors += [m.packed_weight for m in mtp.modules() if isinstance(m, Linear)]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """The layer's parameters and buffers, and its linears' packed copies."""
+    packed = [m.packed_weight for m in mtp.modules() if isinstance(m, Linear)]
+    return module_bytes(mtp) + sum(t.numel() * t.element_size() for t in packed if t is not None)
 
 
 def mtp_block_bytes(mtp: MultiTokenPredictor, block_size: int) -> int:
     """The layer's K/V in one block."""
-    config = mtp.layer_config
-    element = mtp.fc.weight.element_size()
-    return 2 * config.num_kv_heads * config.head_dim * element * block_size
+    return kv_block_bytes(mtp.layer_config, mtp.fc.weight.dtype, block_size)
 
 
 @dataclass

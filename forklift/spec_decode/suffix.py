@@ -36,14 +36,6 @@ class _Node:
     def child(self, token_id: int) -> _Node | None:
         return None if self.children is None else self.children.get(token_id)
 
-    def add_child(self, token_id: int) -> _Node:
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token_id)
-        if node is None:
-            node = self.children[token_id] = _Node()
-        return node
-
 
 class SuffixTrie:
     """Counts of every substring of up to `depth` tokens of the sequences added to it."""
