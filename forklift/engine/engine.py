@@ -599,14 +599,14 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = now
         try:
             result = self.runner.execute(sched.scheduled, sched.state_copies, sched.lora_loads)
-            if self.mtp is not None and self.runner.hidden_states is not None:
-                self._fork_mtp(sched.scheduled)
-                self.mtp.record_step(sched.scheduled, self.runner.hidden_states)
-                self.runner.hidden_states = None
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
             raise
+        if self.mtp is not None and self.runner.hidden_states is not None:
+            self._fork_mtp(sched.scheduled)
+            self.mtp.record_step(sched.scheduled, self.runner.hidden_states)
+            self.runner.hidden_states = None
         out = result.sampler_output
         rows_of: list[list[int]] = [[] for _ in sched.scheduled]
         for row, item in enumerate(result.sampled_items):

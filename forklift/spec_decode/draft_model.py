@@ -31,7 +31,11 @@ from forklift.model.quantize import resolve_quantization
 from forklift.runner.model_runner import ModelRunner
 from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.config import SpeculativeConfig
-from forklift.spec_decode.proposer import DraftQuery
+from forklift.spec_decode.proposer import (
+    DraftQuery,
+    release_unverified_slots,
+    reserve_guess_slots,
+)
 
 # A catch-up longer than this runs as chunks (PyTorch's prefill layers); shorter ones feed
 # one row per token in one forward, so the rounds stay decode steps the native step takes.
@@ -170,11 +174,7 @@ class DraftModelProposer:
             live = self._forward(live)
         for item in started:
             if item is not None:
-                # Verification needs the newest token's and the drafts' blocks, no more.
-                request_id = item.query.request_id
-                self.kv_manager.release_tail(
-                    request_id, len(item.query.token_ids) + len(item.drafts)
-                )
+                release_unverified_slots(self.kv_manager, item.query, len(item.drafts))
         return [[] if item is None else item.drafts for item in started]
 
     def _forward(self, live: list[_Drafting]) -> list[_Drafting]:
@@ -229,10 +229,7 @@ class DraftModelProposer:
         progress.num_computed = min(progress.num_computed, query.num_computed_tokens)
         if query.max_tokens <= 0:
             return None
-        # Fed: the newest token and every draft but the last.
-        if not self.kv_manager.allocate_slots(
-            query.request_id, len(query.token_ids) + query.max_tokens - 1
-        ):
+        if not reserve_guess_slots(self.kv_manager, query, query.max_tokens):
             return None
         start = progress.num_computed
         return _Drafting(query, start, list(query.token_ids[start:]))

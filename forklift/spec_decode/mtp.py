@@ -29,7 +29,11 @@ from forklift.model.model_source import iter_model_weights
 from forklift.model.mtp import MultiTokenPredictor
 from forklift.runner.memory import kv_block_bytes, module_bytes
 from forklift.runner.model_runner import ModelRunner
-from forklift.spec_decode.proposer import DraftQuery
+from forklift.spec_decode.proposer import (
+    DraftQuery,
+    release_unverified_slots,
+    reserve_guess_slots,
+)
 
 
 def check_mtp(source: ModelSource, model_config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -187,9 +191,7 @@ class MtpProposer:
                 self._guess(live)
         for item in live:
             if item.guesses:
-                self.kv_manager.release_tail(
-                    item.query.request_id, len(item.query.token_ids) + len(item.drafts)
-                )
+                release_unverified_slots(self.kv_manager, item.query, len(item.drafts))
         by_id = {item.query.request_id: item.drafts for item in live}
         return [by_id.get(q.request_id, []) for q in queries]
 
@@ -206,10 +208,7 @@ class MtpProposer:
         if progress.num_computed == end or progress.rows(progress.num_computed, end) is None:
             return None
         guesses = query.max_tokens if end == query.num_computed_tokens else 0
-        # Written by guesses: every one but the last, past the newest token.
-        if guesses and not self.kv_manager.allocate_slots(
-            query.request_id, len(query.token_ids) + guesses - 1
-        ):
+        if guesses and not reserve_guess_slots(self.kv_manager, query, guesses):
             guesses = 0
         return _Guessing(query, progress, end, guesses)
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.spec_decode.config import SpeculativeConfig
 
 
@@ -53,6 +54,19 @@ def propose_all(
     if isinstance(proposer, BatchProposer):
         return proposer.propose_batch(queries)
     return [proposer.propose(q.request_id, q.token_ids, q.max_tokens) for q in queries]
+
+
+def reserve_guess_slots(kv_manager: KVCacheManager, query: DraftQuery, guesses: int) -> bool:
+    """Blocks for the positions a drafter writes while guessing `guesses` tokens: the newest
+    token's and every guess's but the last (fed back to guess the next); False if none are
+    left."""
+    return kv_manager.allocate_slots(query.request_id, len(query.token_ids) + guesses - 1)
+
+
+def release_unverified_slots(kv_manager: KVCacheManager, query: DraftQuery, drafts: int) -> None:
+    """Give back what the drafter reserved beyond the newest token and its `drafts`, the
+    positions verification computes."""
+    kv_manager.release_tail(query.request_id, len(query.token_ids) + drafts)
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
