@@ -193,3 +193,41 @@ def test_a_value_cache_unlike_the_key_cache_is_refused(native):
     q, key_cache, value_cache, blocks, bias, _ = _case(torch.float32, 2, 2, 2, 64, 4)
     with pytest.raises(ValueError, match="value cache"):
         native(q, key_cache, value_cache.bfloat16(), blocks, bias, 0.125)
+
+
+def _long_case(lengths: list[int], block_size: int = 16, seed: int = 0):
+    """bf16 rows of the given lengths (blocks in order, as the allocator hands them out)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group, head_dim = 2, 3, 64
+    width = -(-max(lengths) // block_size) + 1
+    num_blocks = len(lengths) * width + 1
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=gen).bfloat16()
+    value_cache = torch.randn(shape, generator=gen).bfloat16()
+    blocks = 1 + torch.arange(len(lengths) * width).view(len(lengths), width)
+    pos = torch.arange(width * block_size)[None, :]
+    valid = pos < torch.tensor(lengths)[:, None]
+    bias = torch.where(valid, 0.0, float("-inf"))
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen).bfloat16()
+    return q, key_cache, value_cache, blocks, bias, valid
+
+
+def test_long_contexts_split_into_chunks_match_the_reference(native):
+    """Contexts past one chunk of positions (1024): each chunk's partial result merged."""
+    q, key_cache, value_cache, blocks, bias, valid = _long_case([2500, 700, 1030])
+    got = native(q, key_cache, value_cache, blocks, bias, 0.125)
+    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(native):
+    """A short row alone (one chunk, written directly) and beside a long one (its table
+    padded to three chunks, merged): the same bits."""
+    q, key_cache, value_cache, blocks, bias, _ = _long_case([300, 2500])
+    beside = native(q, key_cache, value_cache, blocks, bias, 0.125)[0]
+    own_width = -(-300 // 16) + 1
+    alone = native(
+        q[:1], key_cache, value_cache, blocks[:1, :own_width].contiguous(),
+        bias[:1, : own_width * 16].contiguous(), 0.125,
+    )[0]  # fmt: skip
+    assert torch.equal(alone, beside)

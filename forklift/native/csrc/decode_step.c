@@ -16,7 +16,7 @@
  * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
  * the calling thread.
  */
-#include "paged_attention.h"
+#include "attention_tiles.h"
 #include "quant_matmul.h"
 
 /* One projection's LoRA slots (forklift/model/layers/lora_slots.py); a == NULL: none. */
@@ -251,8 +251,17 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     int64_t first[rows], length[rows];
     const int64_t pieces = attention_pieces(blocks, rows, table_width, m->kv_heads,
                                             num_threads, first, length);
-    const int64_t tasks = pieces * m->kv_heads;
     int task_failed = 0;
+#if defined(ATTENTION_TILES)
+    if (tiles_cover(m->head_dim, m->is_bf16)) {
+        *failed |= tiled_attention(q, layer->key_cache, layer->value_cache, blocks, bias, out,
+                                   rows, m->heads, m->kv_heads, m->num_blocks, m->block_size,
+                                   m->head_dim, table_width, m->scale, 0, first, length,
+                                   pieces, num_threads);
+        return;
+    }
+#endif
+    const int64_t tasks = pieces * m->kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : task_failed)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t piece = task / m->kv_heads, kv_head = task % m->kv_heads;

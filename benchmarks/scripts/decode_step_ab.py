@@ -1,0 +1,107 @@
+"""The native decode step of this tree against the one of a git revision, side by side in one
+process: one engine on the default model (bf16, its GGUF blocks), its step library swapped
+between the two builds, rounds alternating, each round `STEPS` pure decode steps at each
+batch size with 564-token prompts. Writes benchmarks/<dir>/decode-step-ab.{md,json}.
+
+Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from forklift.bench.decode import decode_step_budget, prefill_steps, time_pure_decode
+from forklift.bench.report import cpu_flags
+from forklift.checkpoint.source import default_model_path
+from forklift.llm import LLM
+from forklift.native.build import compile_flags, find_compiler
+from forklift.native.decode_step import NativeDecodeStep
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = "forklift/native/csrc"
+CONTEXT, STEPS, ROUNDS = 564, 8, 6
+BATCHES = (1, 8)
+
+
+def build(source_dir: Path, target: Path) -> NativeDecodeStep:
+    compiler = find_compiler()
+    assert compiler is not None, "no C compiler"
+    command = [compiler, *compile_flags(), "-o", str(target),
+               str(source_dir / "decode_step.c"), "-lm"]  # fmt: skip
+    subprocess.run(command, check=True)
+    return NativeDecodeStep(ctypes.CDLL(str(target)))
+
+
+def checkout_sources(revision: str, into: Path) -> Path:
+    into.mkdir(parents=True)
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    for name in names:
+        text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT,
+                              check=True, capture_output=True).stdout  # fmt: skip
+        (into / name).write_bytes(text)
+    return into
+
+
+def main() -> None:
+    revision = sys.argv[1]
+    out_dir = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else ROOT / "benchmarks"
+    longest = max(BATCHES)
+    budget = decode_step_budget(longest)
+    llm = LLM(model=str(default_model_path()), dtype="bfloat16", max_num_seqs=longest,
+              max_model_len=CONTEXT + STEPS + 16 + prefill_steps(longest, CONTEXT, budget),
+              max_num_batched_tokens=budget)  # fmt: skip
+    runner = llm.llm_engine.runner
+    assert runner.native_step is not None, "the native step does not run here"
+    with tempfile.TemporaryDirectory() as scratch:
+        steps = {
+            revision: build(checkout_sources(revision, Path(scratch) / "base"),
+                            Path(scratch) / "base.so"),
+            "this tree": build(ROOT / CSRC, Path(scratch) / "tree.so"),
+        }  # fmt: skip
+        rows = []
+        for batch in BATCHES:
+            times: dict[str, list[float]] = {name: [] for name in steps}
+            for round_index in range(ROUNDS):
+                for name, step in steps.items():
+                    runner.native_step = step
+                    rng = random.Random(round_index)
+                    times[name] += time_pure_decode(llm, batch, CONTEXT, STEPS, rng)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            rows.append({"batch": batch, "ms": ms, "speedup": ms[revision] / ms["this tree"]})
+            print(rows[-1], flush=True)
+    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": CONTEXT,
+              "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
+    (out_dir / "decode-step-ab.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Native decode step: this tree against a baseline revision",
+        "",
+        f"Default model (bf16, its GGUF blocks), {CONTEXT}-token prompts, one engine whose step "
+        f"library alternates between the two builds: median of {ROUNDS} rounds x {STEPS} pure "
+        "decode steps each.",
+        "",
+        f"| batch | {revision} (ms) | this tree (ms) | speed-up |",
+        "|---:|---:|---:|---:|",
+        *(
+            f"| {r['batch']} | {r['ms'][revision]:.2f} | {r['ms']['this tree']:.2f} | "
+            f"{r['speedup']:.2f}x |"
+            for r in rows
+        ),
+        "",
+        f"Command: `.venv/bin/python benchmarks/scripts/decode_step_ab.py {revision} "
+        f"{out_dir.relative_to(ROOT)}`",
+        f"CPU flags: {' '.join(report['cpu_flags'])}",
+    ]
+    (out_dir / "decode-step-ab.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

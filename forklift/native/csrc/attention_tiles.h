@@ -1,0 +1,442 @@
+/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 cache and head sizes
+ * of 64, 128 or 256: the form the decode step and the per-layer kernel run where it builds
+ * (paged_attention.h's attend_rows is the fallback everywhere else).
+ *
+ * A task is one KV head of a run of rows reading the same blocks (a decode row, or the rows
+ * verifying a sequence's drafts), over one range of positions. Tiles are aligned to sixteen
+ * positions, so a position's lane never depends on which rows share the task:
+ * - each tile's mask says which of its positions any row attends to (a vector compare of the
+ *   bias rows); tiles outside the first and last live ones are never touched;
+ * - the key rows of a tile are widened to fp32 once for every query vector, the sixteen dot
+ *   products of a vector summed together (sum16) and stored whole;
+ * - positions no row attends to inside a live tile load a live row instead: their weight is
+ *   exactly 0, so every position of a tile is summed without a branch, with the same result
+ *   as skipping it.
+ *
+ * Ranges (flash-decoding's split) cut a long context into chunks of ATTENTION_CHUNK
+ * positions that run as tasks of their own, each leaving its maximum, its sum of weights
+ * and its unnormalised output per query vector; merge_chunks combines them in chunk order.
+ * The chunks are fixed by position, not by the batch, so a row's result is the same whatever
+ * rows share its step.
+ */
+#ifndef FORKLIFT_ATTENTION_TILES_H
+#define FORKLIFT_ATTENTION_TILES_H
+
+#include "paged_attention.h"
+
+#if defined(__AVX512F__)
+#define ATTENTION_TILES 1
+
+/* Positions per chunk, a task's share of a long context (256 KB of K and V per KV head at a
+ * head size of 64). Chunks of 256 measured slower at 564 positions: their partial results
+ * and merges cost more than the balance between threads gained. */
+#define ATTENTION_CHUNK 1024
+
+/* Rows of the tile this many tiles ahead are prefetched while a tile is computed (one to
+ * eight measured alike: the passes are bound by the rows' reads either way). */
+#define TILE_AHEAD 2
+
+/* One vector's partial result over a chunk: [max, sum, acc[head_dim]]. */
+#define PART_FLOATS(head_dim) ((head_dim) + 2)
+
+typedef float float16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+/* Sixteen bf16 values widened to fp32 in one zero-extension and one shift (the generic
+ * widen_bf16 compiles to two halves and their joins where GCC prefers 256-bit vectors). */
+static inline float16_vector widen16(const uint16_t *src) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return (float16_vector)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* The lane sums of sixteen vectors as the sixteen lanes of one, lane p the sum of a[p]'s:
+ * four levels of shuffles and adds serve all sixteen. Each vector's lanes are added in one
+ * fixed order (the order of sum4), whatever its slot. */
+static inline float16_vector sum16(const float16_vector a[16]) {
+    float16_vector halves[8], quarters[4], pairs[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: a[2i]'s two halves added; 8-15: a[2i + 1]'s */
+        halves[i] = SHUFFLE2(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                             20, 21, 22, 23) +
+                    SHUFFLE2(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                             27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* four lanes each of a[4i] .. a[4i + 3] */
+        quarters[i] = SHUFFLE2(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                               17, 18, 19, 24, 25, 26, 27) +
+                      SHUFFLE2(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                               20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* two lanes each of a[8i] .. a[8i + 7] */
+        pairs[i] = SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                            17, 20, 21, 24, 25, 28, 29) +
+                   SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                            18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE2(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                    30) +
+           SHUFFLE2(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                    31);
+}
+
+/* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
+ * position t0 + p): scale and the vector's bias applied (positions at or past `end` get
+ * -inf), stored whole at `dst`, the maxima kept lane by lane. */
+static inline __attribute__((always_inline)) void finish_scores(
+    const float16_vector acc[16], const float *bias_row, int64_t t0, int64_t end, float scale,
+    float *dst, float16_vector *max_lanes) {
+    float16_vector bias;
+    if (t0 + 16 <= end)
+        bias = *(const float16_unaligned *)(bias_row + t0);
+    else
+        for (int p = 0; p < 16; p++) bias[p] = t0 + p < end ? bias_row[t0 + p] : -INFINITY;
+    const float16_vector s = sum16(acc) * scale + bias;
+    *(float16_unaligned *)dst = s;
+    const int16_vector higher = s > *max_lanes;
+    *max_lanes = (float16_vector)(((int16_vector)s & higher) | ((int16_vector)*max_lanes & ~higher));
+}
+
+#if defined(__AVX512BF16__)
+/* Every query vector's scores at one tile (positions t0 .. t0 + 15) straight from the bf16
+ * key rows: vdpbf16ps multiplies two dimensions a lane against the query rounded to bf16
+ * (as the model's own bf16 queries are), so no key row is widened. */
+#define SCORE_FROM_BF16 1
+static inline __attribute__((always_inline)) void score_tile(
+    const uint16_t *queries, int64_t count, const uint16_t *const *rows,
+    const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
+    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes) {
+    const int64_t pairs = head_dim / 32;
+    for (int64_t j = 0; j < count; j++) {
+        __m512bh q[8];
+        for (int64_t c = 0; c < pairs; c++)
+            q[c] = (__m512bh)_mm512_loadu_si512(queries + j * head_dim + 32 * c);
+        float16_vector acc[16];
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < pairs; c++)
+                a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(rows[p] + 32 * c));
+            acc[p] = (float16_vector)a;
+        }
+        finish_scores(acc, query_bias[j], t0, end, scale, scores + j * stride + column,
+                      &max_lanes[j]);
+    }
+}
+#else
+/* Every query vector's scores at one tile (positions t0 .. t0 + 15), the key rows widened
+ * to fp32 once into `keys` [16, head_dim] for all vectors. */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *queries, int64_t count, const uint16_t *const *rows, float *keys,
+    const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
+    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes) {
+    const int64_t chunks = head_dim / 16;
+    for (int p = 0; p < 16; p++)
+        for (int64_t c = 0; c < chunks; c++)
+            ((float16_unaligned *)(keys + p * head_dim))[c] = widen16(rows[p] + 16 * c);
+    for (int64_t j = 0; j < count; j++) {
+        const float16_unaligned *q = (const float16_unaligned *)(queries + j * head_dim);
+        float16_vector acc[16];
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const float16_unaligned *k = (const float16_unaligned *)(keys + p * head_dim);
+            acc[p] = q[0] * k[0];
+            for (int64_t c = 1; c < chunks; c++) acc[p] += q[c] * k[c];
+        }
+        finish_scores(acc, query_bias[j], t0, end, scale, scores + j * stride + column,
+                      &max_lanes[j]);
+    }
+}
+#endif
+
+/* acc[first + h] = sum over the live tiles' positions of weight * V, for `pass` vectors,
+ * the sums in registers (pass and head_dim constants once inlined). */
+static inline __attribute__((always_inline)) void tile_values(
+    float *acc, const float *scores, int64_t stride, const char *v_head, const int64_t *slots,
+    const uint16_t *masks, int64_t tiles, int64_t first, int64_t head_dim, int64_t pass) {
+    const int64_t chunks = head_dim / 16;
+    const size_t row_bytes = (size_t)head_dim * 2;
+    float16_vector sums[4][16] = {{{0}}};
+    for (int64_t i = 0; i < tiles; i++) {
+        if (masks[i] == 0) continue;
+        const int ahead = i + TILE_AHEAD < tiles && masks[i + TILE_AHEAD] != 0;
+        for (int p = 0; p < 16; p++) {
+            if (ahead) prefetch_row(v_head, slots[16 * (i + TILE_AHEAD) + p], row_bytes);
+            const uint16_t *row = (const uint16_t *)v_head + slots[16 * i + p] * head_dim;
+            float16_vector v[16];
+            for (int64_t c = 0; c < chunks; c++) v[c] = widen16(row + 16 * c);
+            for (int64_t h = 0; h < pass; h++) {
+                const float w = scores[(first + h) * stride + 16 * i + p];
+                for (int64_t c = 0; c < chunks; c++) sums[h][c] += w * v[c];
+            }
+        }
+    }
+    for (int64_t h = 0; h < pass; h++)
+        memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
+}
+
+/* Attention of rows first_row .. first_row + num_rows - 1 (same blocks) for one KV head over
+ * positions [from, to) (from a multiple of 16). parts == NULL: the normalised output into
+ * `out` ([rows, heads, D], fp32 or bf16 by io_bf16); else each query vector's partial
+ * result for chunk `chunk` into parts, [rows, heads, num_chunks, PART_FLOATS]. q: [rows,
+ * heads, D], fp32 or bf16 by io_bf16. Returns 1 when scratch memory ran out. */
+static inline __attribute__((always_inline)) int attend_range(
+    const void *q, const void *key_cache, const void *value_cache, const int64_t *blocks,
+    const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
+    int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
+    int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
+    int64_t chunk, int64_t num_chunks) {
+    const int64_t group = heads / kv_heads, count = num_rows * group;
+    const int64_t width = table_width * block_size;
+    if (to > width) to = width;
+    const int64_t tiles = to > from ? (to - from + 15) / 16 : 0;
+    const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = (size_t)head_dim * 2;
+    const int64_t *table = blocks + first_row * table_width;
+    const float *query_bias[count];
+    for (int64_t j = 0; j < count; j++) query_bias[j] = bias + (first_row + j / group) * width;
+
+    /* Which positions of each tile any row attends to; the live span of tiles. */
+    uint16_t all_masks[tiles + 1];
+    int64_t lo = -1, hi = -1;
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t t0 = from + 16 * i;
+        unsigned mask = 0;
+        for (int64_t r = 0; r < num_rows; r++) {
+            const float *b = query_bias[r * group] + t0;
+            if (t0 + 16 <= to) {
+                mask |= _mm512_cmp_ps_mask(_mm512_loadu_ps(b), _mm512_set1_ps(-INFINITY),
+                                           _CMP_NEQ_UQ);
+            } else {
+                for (int64_t p = 0; t0 + p < to; p++) mask |= (unsigned)(b[p] != -INFINITY) << p;
+            }
+        }
+        all_masks[i] = (uint16_t)mask;
+        if (mask != 0) {
+            if (lo < 0) lo = i;
+            hi = i;
+        }
+    }
+    const int64_t live_tiles = lo < 0 ? 0 : hi - lo + 1, span = 16 * live_tiles;
+    const int64_t base = from + 16 * (lo < 0 ? 0 : lo);
+    const uint16_t *masks = all_masks + (lo < 0 ? 0 : lo);
+
+    const size_t floats = (size_t)(count * span + 2 * count * head_dim + 16 * head_dim +
+                                   count * head_dim / 2);
+    float *buffer = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(span + 1));
+    if (buffer == NULL) return 1;
+    float *scores = buffer;                   /* [count, span] */
+    float *queries = scores + count * span;   /* [count, D] */
+    float *acc = queries + count * head_dim;  /* [count, D] */
+    float *keys = acc + count * head_dim;     /* [16, D] */
+    uint16_t *queries_bf16 = (uint16_t *)(keys + 16 * head_dim); /* [count, D] */
+    int64_t *slots = (int64_t *)(queries_bf16 + count * head_dim); /* [span] */
+
+    /* Each position's cache slot, block by block (no division per position); in a live
+     * tile, a position no row attends to takes the tile's first live position's slot. */
+    int64_t block = base / block_size, offset = base % block_size;
+    for (int64_t p = 0; p < span; p++) {
+        slots[p] = base + p < width ? table[block] * block_size + offset : 0;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+    for (int64_t i = 0; i < live_tiles; i++) {
+        const unsigned mask = masks[i];
+        if (mask == 0 || mask == 0xffffu) continue;
+        const int64_t fill = slots[16 * i + __builtin_ctz(mask)];
+        for (int p = 0; p < 16; p++)
+            if (!(mask >> p & 1u)) slots[16 * i + p] = fill;
+    }
+
+    const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
+    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * 2;
+    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * 2;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
+                 head_dim) * io_elem, head_dim, io_bf16);
+    }
+#if defined(SCORE_FROM_BF16)
+    for (int64_t i = 0; i < count * head_dim; i += 32) {
+        const __m512 low = _mm512_loadu_ps(queries + i), high = _mm512_loadu_ps(queries + i + 16);
+        _mm512_storeu_si512(queries_bf16 + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+#endif
+
+    float16_vector max_lanes[count];
+    for (int64_t j = 0; j < count; j++) max_lanes[j] = (float16_vector){0} - INFINITY;
+    for (int64_t i = 0; i < live_tiles; i++) {
+        if (masks[i] == 0) {
+            for (int64_t j = 0; j < count; j++)
+                for (int p = 0; p < 16; p++) scores[j * span + 16 * i + p] = -INFINITY;
+            continue;
+        }
+        const int ahead = i + TILE_AHEAD < live_tiles && masks[i + TILE_AHEAD] != 0;
+        const uint16_t *rows[16];
+        for (int p = 0; p < 16; p++) {
+            if (ahead) prefetch_row(k_head, slots[16 * (i + TILE_AHEAD) + p], row_bytes);
+            rows[p] = (const uint16_t *)k_head + slots[16 * i + p] * head_dim;
+        }
+#if defined(SCORE_FROM_BF16)
+        score_tile(queries_bf16, count, rows, query_bias, base + 16 * i, to, scale, head_dim,
+                   scores, span, 16 * i, max_lanes);
+#else
+        score_tile(queries, count, rows, keys, query_bias, base + 16 * i, to, scale, head_dim,
+                   scores, span, 16 * i, max_lanes);
+#endif
+    }
+
+    /* Weights exp(s - max) in place, summed in sixteen lanes by position mod 16. A vector
+     * none of whose positions lie in the range weighs nothing here. */
+    float max_score[count], total[count];
+    for (int64_t j = 0; j < count; j++) {
+        float m = -INFINITY;
+        for (int p = 0; p < 16; p++) m = max_lanes[j][p] > m ? max_lanes[j][p] : m;
+        max_score[j] = m;
+        float *sj = scores + j * span;
+        float16_vector sums = {0};
+        for (int64_t t = 0; t < span; t += 16) {
+            /* (LANES is 16 here: lane_vector is a float16_vector) */
+            const float16_vector w = m == -INFINITY
+                                         ? (float16_vector){0}
+                                         : exp_nonpositive_lanes(*(float16_unaligned *)(sj + t) - m);
+            *(float16_unaligned *)(sj + t) = w;
+            sums += w;
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < 16; l++) sum += sums[l];
+        total[j] = sum;
+    }
+
+    /* Passes of as many vectors as fit the registers (16 accumulators), a constant each. */
+    const int64_t per_pass = head_dim >= 256 ? 1 : 256 / head_dim;
+    for (int64_t j = 0; j < count; j += per_pass) {
+        const int64_t left = count - j < per_pass ? count - j : per_pass;
+        if (left == 1)
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 1);
+        else if (left == 2)
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 2);
+        else if (left == 3)
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 3);
+        else
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 4);
+    }
+
+    for (int64_t j = 0; j < count; j++) {
+        const float *aj = acc + j * head_dim;
+        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        if (parts != NULL) {
+            float *pj = parts + ((row * heads + head) * num_chunks + chunk) * PART_FLOATS(head_dim);
+            pj[0] = max_score[j];
+            pj[1] = total[j];
+            memcpy(pj + 2, aj, sizeof(float) * (size_t)head_dim);
+            continue;
+        }
+        char *out_row = (char *)out + (size_t)((row * heads + head) * head_dim) * io_elem;
+        const float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
+        if (io_bf16) {
+            uint16_t *dst = (uint16_t *)out_row;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(aj[d] * inv);
+        } else {
+            float *dst = (float *)out_row;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = aj[d] * inv;
+        }
+    }
+    free(buffer);
+    return 0;
+}
+
+/* One query vector's output from its chunks' partial results (parts[c * part_stride], in
+ * chunk order): weights rescaled to the largest maximum, then normalised; a chunk with no
+ * live position adds exactly nothing, so a row's result does not depend on how far other
+ * rows' tables reach. out: head_dim values, fp32 or bf16 by io_bf16. */
+static inline void merge_chunks(const float *parts, int64_t chunks, int64_t part_stride,
+                                int64_t head_dim, void *out, int io_bf16) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float mc = parts[c * part_stride];
+        m = mc > m ? mc : m;
+    }
+    float merged[head_dim], total = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) merged[d] = 0.0f;
+    for (int64_t c = 0; c < chunks && m != -INFINITY; c++) {
+        const float *pc = parts + c * part_stride;
+        if (pc[0] == -INFINITY) continue;
+        const float factor = exp_nonpositive(pc[0] - m);
+        total += pc[1] * factor;
+        for (int64_t d = 0; d < head_dim; d++) merged[d] += pc[2 + d] * factor;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) {
+        if (io_bf16)
+            ((uint16_t *)out)[d] = float_to_bf16(merged[d] * inv);
+        else
+            ((float *)out)[d] = merged[d] * inv;
+    }
+}
+
+/* attend_range with the head size a constant (64, 128 or 256). */
+static inline int attend_chunk(const void *q, const void *key_cache, const void *value_cache,
+                               const int64_t *blocks, const float *bias, void *out,
+                               int64_t first_row, int64_t num_rows, int64_t kv_head,
+                               int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                               int64_t block_size, int64_t head_dim, int64_t table_width,
+                               float scale, int io_bf16, int64_t chunk, int64_t num_chunks,
+                               float *parts) {
+    const int64_t from = chunk * ATTENTION_CHUNK, to = from + ATTENTION_CHUNK;
+#define ATTEND_CHUNK(size)                                                                    \
+    attend_range(q, key_cache, value_cache, blocks, bias, out, first_row, num_rows, kv_head,  \
+                 heads, kv_heads, num_blocks, block_size, size, table_width, scale, io_bf16,  \
+                 from, to, parts, chunk, num_chunks)
+    if (head_dim == 64) return ATTEND_CHUNK(64);
+    if (head_dim == 128) return ATTEND_CHUNK(128);
+    return ATTEND_CHUNK(256);
+#undef ATTEND_CHUNK
+}
+
+static inline int tiles_cover(int64_t head_dim, int is_bf16) {
+    return is_bf16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+/* Every task of a step's attention: each piece of rows (first[i], length[i]: rows reading
+ * the same blocks), KV head and chunk of ATTENTION_CHUNK positions. Where the tables reach
+ * past one chunk, each chunk leaves partial results, merged per query vector once all
+ * tasks are done. The chunks depend on positions only, so a row's result is the same in
+ * any batch. q and out: [rows, heads, head_dim], fp32 or bf16 by io_bf16. Returns 1 when
+ * scratch memory ran out. */
+static int tiled_attention(const void *q, const void *key_cache, const void *value_cache,
+                           const int64_t *blocks, const float *bias, void *out, int64_t rows,
+                           int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                           int64_t block_size, int64_t head_dim, int64_t table_width,
+                           float scale, int io_bf16, const int64_t *first,
+                           const int64_t *length, int64_t pieces, int num_threads) {
+    const int64_t width = table_width * block_size;
+    const int64_t num_chunks = (width + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
+    const int64_t part_stride = PART_FLOATS(head_dim), vectors = rows * heads;
+    float *parts = NULL;
+    if (num_chunks > 1) {
+        parts = malloc(sizeof(float) * (size_t)(vectors * num_chunks * part_stride));
+        if (parts == NULL) return 1;
+    }
+    const int64_t tasks = pieces * kv_heads * num_chunks;
+    const size_t io_elem = io_bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t chunk = task % num_chunks, rest = task / num_chunks;
+            const int64_t piece = rest / kv_heads, kv_head = rest % kv_heads;
+            failed |= attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
+                                   length[piece], kv_head, heads, kv_heads, num_blocks,
+                                   block_size, head_dim, table_width, scale, io_bf16, chunk,
+                                   num_chunks, parts);
+        }
+        if (parts != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t v = 0; v < vectors; v++)
+                merge_chunks(parts + v * num_chunks * part_stride, num_chunks, part_stride,
+                             head_dim, (char *)out + (size_t)(v * head_dim) * io_elem, io_bf16);
+        }
+    }
+    free(parts);
+    return failed;
+}
+
+#endif /* __AVX512F__ */
+#endif
