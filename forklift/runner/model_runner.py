@@ -688,8 +688,8 @@ class ModelRunner:
         """The blocks of `table` never used since the cache was allocated, now marked used."""
         if not self._unwritten_blocks.size:
             return np.zeros(0, dtype=np.int64)
-        blocks = np.unique(table)
-        fresh = blocks[self._unwritten_blocks[blocks]]
+        # Look up every entry, sort only the few new ones (most steps have none).
+        fresh = np.unique(table[self._unwritten_blocks[table]])
         self._unwritten_blocks[fresh] = False
         return fresh
 
