@@ -406,7 +406,9 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
                            float scale, int io_bf16, const int64_t *first,
                            const int64_t *length, int64_t pieces, int num_threads) {
     const int64_t width = table_width * block_size;
-    const int64_t num_chunks = (width + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
+    /* At least one chunk: a table of no width still writes its (zero) outputs. */
+    const int64_t chunks_spanned = (width + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
+    const int64_t num_chunks = chunks_spanned > 1 ? chunks_spanned : 1;
     const int64_t part_stride = PART_FLOATS(head_dim), vectors = rows * heads;
     float *parts = NULL;
     if (num_chunks > 1) {
