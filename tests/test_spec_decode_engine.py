@@ -294,6 +294,26 @@ def test_default_model_greedy_is_unchanged_by_long_verifications(default_source)
         assert stats.num_accepted_tokens >= 30 and max(stats.accepted_per_position) > 0
 
 
+def test_default_model_greedy_holds_past_one_attention_chunk(default_source):
+    """As above past 1024 positions of context, where the native step's attention splits
+    the positions into chunks and merges their partial results: verifying 8 rows gives the
+    text of decoding alone, token for token."""
+    story = "The keeper counted the waves and wrote each one down in his book. " * 90
+    prompt = [{"role": "user", "content": story + "What did the keeper do?"}]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    settings = dict(model=str(default_source.path), max_model_len=1600,
+                    kv_cache_memory_bytes=64 * 2**20, enable_prefix_caching=False)  # fmt: skip
+    alone = LLM(**settings)
+    expected = alone.chat([prompt], params, use_tqdm=False)
+    assert len(expected[0].prompt_token_ids) > 1100
+    llm = LLM(**settings, speculative_config={**SPEC, "num_speculative_tokens": 7})
+    with_oracle(llm, sequences(expected), corrupt=0.0)
+    assert_same(llm.chat([prompt], params, use_tqdm=False), expected)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens >= 20
+    if alone.llm_engine.runner.native_step is not None:
+        assert alone.llm_engine.runner.native_steps > 0 and llm.llm_engine.runner.native_steps > 0
+
+
 def test_sampled_distribution_is_the_targets(tiny_dir):
     """Many seeds: the token drawn right after drafts (accepted or not) has the distribution
     of decoding without speculation. Different seeds on each side, so equality of outputs
