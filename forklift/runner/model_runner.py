@@ -62,7 +62,7 @@ from forklift.runner.prompt_scores import (
     score_prompt_rows,
     split_prompt_scores,
 )
-from forklift.sampling.metadata import SamplingBatch
+from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.sampler import SamplerOutput, sample
 
 logger = logging.getLogger("forklift")
@@ -153,6 +153,7 @@ class ModelRunner:
         self._conv_states: torch.Tensor | None = None
         self._recurrent_states: torch.Tensor | None = None
         self._unwritten_blocks = np.zeros(0, dtype=bool)
+        self._sampling_batches = SamplingBatchReuse()
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
             backend = backend_for(device)
@@ -491,7 +492,7 @@ class ModelRunner:
             return StepResult([], None, prompt_scores)
         with torch.inference_mode():
             sampling = [row for item in rows if (row := item.sampling) is not None]
-            batch = SamplingBatch.from_rows(sampling, self.device, logits.shape[1])
+            batch = self._sampling_batches.batch_for(sampling, self.device, logits.shape[1])
             return StepResult(sampled_items, sample(logits, batch), prompt_scores)
 
     @mirrored

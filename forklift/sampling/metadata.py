@@ -88,7 +88,7 @@ class SamplingBatch:
             frequency_penalty=float_rows[5],
             seeds=long_rows[1],
             steps=long_rows[2],
-            banned_token_ids=[_banned_tokens(r) for r in rows],
+            banned_token_ids=[banned_tokens(r) for r in rows],
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
             num_logprobs=[p.logprobs for p in params],
@@ -125,7 +125,7 @@ def _grammar_bitmask(
     )
 
 
-def _banned_tokens(row: SamplingRow) -> list[int]:
+def banned_tokens(row: SamplingRow) -> list[int]:
     """min_tokens holding back the stops, and the bad words the output is about to finish."""
     params = row.params
     banned: set[int] = set()
