@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forklift.cpu import CPU_KIND_ENV
+from forklift.cpu import CPU_KIND_ENV, cpu_flags
 from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.native import build as native_build
 from forklift.native.decode_attention import NativeDecodeAttention
@@ -27,6 +27,27 @@ def native() -> NativeDecodeAttention:
     kernel = NativeDecodeAttention.load()
     assert kernel is not None, "a C compiler is here, yet the kernel did not build or load"
     return kernel
+
+
+# Each instruction set's form of the kernel that this CPU runs: the tiled one with bf16 dot
+# products, the tiled one widening keys (AVX-512 without AVX512_BF16) and the per-position one.
+TARGETS = {
+    "native": (None, set()),
+    "avx512-no-bf16": (("-march=skylake-avx512",), {"avx512f", "avx512bw", "avx512vl"}),
+    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target_kernel(request) -> NativeDecodeAttention:
+    arch, needs = TARGETS[request.param]
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    library = native_build.load_native_library("decode_attention", arch)
+    assert library is not None, "a C compiler is here, yet the kernel did not build or load"
+    return NativeDecodeAttention(library)
 
 
 def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
@@ -75,23 +96,23 @@ def _reference(q, key_cache, value_cache, blocks, valid, scale):
         (2, 4, 1, 48),
     ],
 )
-def test_native_kernel_matches_the_reference(native, dtype, seqs, kv_heads, group, head_dim):
+def test_native_kernel_matches_the_reference(target_kernel, dtype, seqs, kv_heads, group, head_dim):
     q, key_cache, value_cache, blocks, bias, valid = _case(
         dtype, seqs, kv_heads, group, head_dim, seed=seqs * 31 + head_dim
     )
     scale = head_dim**-0.5
-    got = native(q, key_cache, value_cache, blocks, bias, scale)
+    got = target_kernel(q, key_cache, value_cache, blocks, bias, scale)
     want = _reference(q, key_cache, value_cache, blocks, valid, scale)
     assert got.dtype == dtype and got.shape == (seqs, kv_heads * group * head_dim)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def test_native_kernel_skips_masked_positions_anywhere(native):
+def test_native_kernel_skips_masked_positions_anywhere(target_kernel):
     """A sliding window masks the start of the context, not only its padded end."""
     q, key_cache, value_cache, blocks, bias, valid = _case(torch.float32, 4, 2, 2, 64, 5, 6)
     assert (~valid[:, 0]).any(), "the case should mask some leading positions"
-    got = native(q, key_cache, value_cache, blocks, bias, 0.125)
+    got = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)
     want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -215,22 +236,22 @@ def _long_case(lengths: list[int], block_size: int = 16, seed: int = 0):
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_long_contexts_split_into_chunks_match_the_reference(native, block_size):
+def test_long_contexts_split_into_chunks_match_the_reference(target_kernel, block_size):
     """Contexts past one chunk of positions (1024): each chunk's partial result merged (a
     block size of 4 leaves the table's width short of a whole tile)."""
     q, key_cache, value_cache, blocks, bias, valid = _long_case([2500, 700, 1030], block_size)
-    got = native(q, key_cache, value_cache, blocks, bias, 0.125)
+    got = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)
     want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3)
 
 
-def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(native):
+def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(target_kernel):
     """A short row alone (one chunk, written directly) and beside a long one (its table
     padded to three chunks, merged): the same bits."""
     q, key_cache, value_cache, blocks, bias, _ = _long_case([300, 2500])
-    beside = native(q, key_cache, value_cache, blocks, bias, 0.125)[0]
+    beside = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)[0]
     own_width = -(-300 // 16) + 1
-    alone = native(
+    alone = target_kernel(
         q[:1], key_cache, value_cache, blocks[:1, :own_width].contiguous(),
         bias[:1, : own_width * 16].contiguous(), 0.125,
     )[0]  # fmt: skip
