@@ -10,45 +10,21 @@ Run: .venv/bin/python benchmarks/scripts/attention_kernel.py REV [out_dir]
 
 from __future__ import annotations
 
-import ctypes
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
-from forklift.native.build import compile_flags, find_compiler
 from forklift.native.decode_attention import NativeDecodeAttention
 
-ROOT = Path(__file__).resolve().parents[2]
-CSRC = "forklift/native/csrc"
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK, DEPTH = 30, 3, 3, 64, 16, 564
 BATCHES = (1, 8)
 REPEATS = 30
-
-
-def build(source_dir: Path, target: Path) -> NativeDecodeAttention:
-    compiler = find_compiler()
-    assert compiler is not None, "no C compiler"
-    command = [compiler, *compile_flags(), "-o", str(target),
-               str(source_dir / "decode_attention.c"), "-lm"]  # fmt: skip
-    subprocess.run(command, check=True)
-    return NativeDecodeAttention(ctypes.CDLL(str(target)))
-
-
-def checkout_sources(revision: str, into: Path) -> Path:
-    into.mkdir(parents=True)
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
-    for name in names:
-        text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT,
-                              check=True, capture_output=True).stdout  # fmt: skip
-        (into / name).write_bytes(text)
-    return into
 
 
 def case(batch: int) -> tuple:
@@ -81,8 +57,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         base_dir = checkout_sources(revision, Path(scratch) / "base")
         kernels = {
-            revision: build(base_dir, Path(scratch) / "base.so"),
-            "this tree": build(ROOT / CSRC, Path(scratch) / "tree.so"),
+            revision: NativeDecodeAttention(
+                build_library(base_dir, "decode_attention", Path(scratch) / "base.so")
+            ),
+            "this tree": NativeDecodeAttention(
+                build_library(ROOT / CSRC, "decode_attention", Path(scratch) / "tree.so")
+            ),
         }
         rows = []
         for batch, state in ((b, s) for b in BATCHES for s in ("cold", "hot")):

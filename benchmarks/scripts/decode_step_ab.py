@@ -8,46 +8,23 @@ Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir]
 
 from __future__ import annotations
 
-import ctypes
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.decode import decode_step_budget, prefill_steps, time_pure_decode
 from forklift.bench.report import cpu_flags
 from forklift.checkpoint.source import default_model_path
 from forklift.llm import LLM
-from forklift.native.build import compile_flags, find_compiler
 from forklift.native.decode_step import NativeDecodeStep
 
-ROOT = Path(__file__).resolve().parents[2]
-CSRC = "forklift/native/csrc"
 CONTEXT, STEPS, ROUNDS = 564, 8, 6
 BATCHES = (1, 8)
-
-
-def build(source_dir: Path, target: Path) -> NativeDecodeStep:
-    compiler = find_compiler()
-    assert compiler is not None, "no C compiler"
-    command = [compiler, *compile_flags(), "-o", str(target),
-               str(source_dir / "decode_step.c"), "-lm"]  # fmt: skip
-    subprocess.run(command, check=True)
-    return NativeDecodeStep(ctypes.CDLL(str(target)))
-
-
-def checkout_sources(revision: str, into: Path) -> Path:
-    into.mkdir(parents=True)
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
-    for name in names:
-        text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT,
-                              check=True, capture_output=True).stdout  # fmt: skip
-        (into / name).write_bytes(text)
-    return into
 
 
 def main() -> None:
@@ -61,11 +38,15 @@ def main() -> None:
     runner = llm.llm_engine.runner
     assert runner.native_step is not None, "the native step does not run here"
     with tempfile.TemporaryDirectory() as scratch:
+        base = checkout_sources(revision, Path(scratch) / "base")
         steps = {
-            revision: build(checkout_sources(revision, Path(scratch) / "base"),
-                            Path(scratch) / "base.so"),
-            "this tree": build(ROOT / CSRC, Path(scratch) / "tree.so"),
-        }  # fmt: skip
+            revision: NativeDecodeStep(
+                build_library(base, "decode_step", Path(scratch) / "base.so")
+            ),
+            "this tree": NativeDecodeStep(
+                build_library(ROOT / CSRC, "decode_step", Path(scratch) / "tree.so")
+            ),
+        }
         rows = []
         for batch in BATCHES:
             times: dict[str, list[float]] = {name: [] for name in steps}

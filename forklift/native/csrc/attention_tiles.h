@@ -334,14 +334,7 @@ static inline __attribute__((always_inline)) int attend_range(
             continue;
         }
         char *out_row = (char *)out + (size_t)((row * heads + head) * head_dim) * io_elem;
-        const float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
-        if (io_bf16) {
-            uint16_t *dst = (uint16_t *)out_row;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(aj[d] * inv);
-        } else {
-            float *dst = (float *)out_row;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = aj[d] * inv;
-        }
+        store_normalised(out_row, aj, total[j], head_dim, io_bf16);
     }
     free(buffer);
     return 0;
@@ -367,13 +360,7 @@ static inline void merge_chunks(const float *parts, int64_t chunks, int64_t part
         total += pc[1] * factor;
         for (int64_t d = 0; d < head_dim; d++) merged[d] += pc[2 + d] * factor;
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int64_t d = 0; d < head_dim; d++) {
-        if (io_bf16)
-            ((uint16_t *)out)[d] = float_to_bf16(merged[d] * inv);
-        else
-            ((float *)out)[d] = merged[d] * inv;
-    }
+    store_normalised(out, merged, total, head_dim, io_bf16);
 }
 
 /* attend_range with the head size a constant (64, 128 or 256). */

@@ -162,6 +162,20 @@ static inline __attribute__((always_inline)) void accumulate_values_bf16(
         memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
 }
 
+/* A query vector's output row: its weighted sum of values over its total weight (zeros
+ * where it attends nothing), stored as fp32 or bf16. */
+static inline void store_normalised(void *out_row, const float *sums, float total,
+                                    int64_t head_dim, int io_bf16) {
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    if (io_bf16) {
+        uint16_t *dst = (uint16_t *)out_row;
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(sums[d] * inv);
+    } else {
+        float *dst = (float *)out_row;
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = sums[d] * inv;
+    }
+}
+
 #define LOAD_ROW(dst, src, d_count, is_bf16)                                  \
     do {                                                                      \
         if (is_bf16) {                                                        \
@@ -332,15 +346,7 @@ static inline __attribute__((always_inline)) int attend_rows(
     for (int64_t j = 0; j < count; j++) {
         const int64_t row = first_row + j / group, head = kv_head * group + j % group;
         char *out_row = (char *)out + (size_t)((row * heads + head) * head_dim) * io_elem;
-        const float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
-        const float *aj = acc + j * head_dim;
-        if (io_bf16) {
-            uint16_t *dst = (uint16_t *)out_row;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = float_to_bf16(aj[d] * inv);
-        } else {
-            float *dst = (float *)out_row;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = aj[d] * inv;
-        }
+        store_normalised(out_row, acc + j * head_dim, total[j], head_dim, io_bf16);
     }
     free(buffer);
     free(slots);
