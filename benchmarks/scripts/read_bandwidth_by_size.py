@@ -1,0 +1,59 @@
+"""Read bandwidth by buffer size: a sum over one float32 buffer, repeated, at 2 threads, for
+sizes from what the last-level cache holds to far past it (where a decode step's 110 MB
+lands). Writes benchmarks/<dir>/read-bandwidth.{md,json}.
+
+Run: .venv/bin/python benchmarks/scripts/read_bandwidth_by_size.py [out_dir]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forklift.bench.report import cpu_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES_MB = (32, 64, 80, 96, 104, 112, 120, 128, 192, 256, 512)
+REPEATS = 30
+
+
+def best_gb_per_s(megabytes: int) -> float:
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return megabytes * 2**20 / best / 1e9
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "benchmarks"
+    torch.set_num_threads(2)
+    rows = [{"megabytes": mb, "gb_per_s": best_gb_per_s(mb)} for mb in SIZES_MB]
+    report = {"cpu_flags": cpu_flags(), "threads": 2, "repeats": REPEATS, "rows": rows}
+    (out_dir / "read-bandwidth.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Read bandwidth by buffer size",
+        "",
+        f"A sum over one float32 buffer (MiB), best of {REPEATS} repeats, 2 threads.",
+        "",
+        "| buffer (MiB) | GB/s |",
+        "|---:|---:|",
+        *(f"| {r['megabytes']} | {r['gb_per_s']:.1f} |" for r in rows),
+        "",
+        "Command: `.venv/bin/python benchmarks/scripts/read_bandwidth_by_size.py "
+        f"{out_dir.relative_to(ROOT)}`",
+        f"CPU flags: {' '.join(report['cpu_flags'])}",
+    ]
+    (out_dir / "read-bandwidth.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
