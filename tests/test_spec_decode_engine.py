@@ -302,7 +302,7 @@ def test_default_model_greedy_holds_past_one_attention_chunk(default_source):
     prompt = [{"role": "user", "content": story + "What did the keeper do?"}]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     settings = dict(model=str(default_source.path), max_model_len=1600,
-                    kv_cache_memory_bytes=64 * 2**20, enable_prefix_caching=False)  # fmt: skip
+                    kv_cache_memory_bytes=128 * 2**20, enable_prefix_caching=False)  # fmt: skip
     alone = LLM(**settings)
     expected = alone.chat([prompt], params, use_tqdm=False)
     assert len(expected[0].prompt_token_ids) > 1100
