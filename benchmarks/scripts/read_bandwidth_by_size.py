@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from forklift.bench.decode import read_bandwidth
 from forklift.bench.report import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,21 +21,11 @@ SIZES_MB = (32, 64, 80, 96, 104, 112, 120, 128, 192, 256, 512)
 REPEATS = 30
 
 
-def best_gb_per_s(megabytes: int) -> float:
-    buffer = torch.ones(megabytes * 2**20 // 4)
-    buffer.sum()
-    best = float("inf")
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - started)
-    return megabytes * 2**20 / best / 1e9
-
-
 def main() -> None:
     out_dir = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "benchmarks"
     torch.set_num_threads(2)
-    rows = [{"megabytes": mb, "gb_per_s": best_gb_per_s(mb)} for mb in SIZES_MB]
+    rows = [{"megabytes": mb, "gb_per_s": read_bandwidth(mb * 2**20, REPEATS) / 1e9}
+            for mb in SIZES_MB]  # fmt: skip
     report = {"cpu_flags": cpu_flags(), "threads": 2, "repeats": REPEATS, "rows": rows}
     (out_dir / "read-bandwidth.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [

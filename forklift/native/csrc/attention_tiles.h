@@ -7,8 +7,9 @@
  * positions, so a position's lane never depends on which rows share the task:
  * - each tile's mask says which of its positions any row attends to (a vector compare of the
  *   bias rows); tiles outside the first and last live ones are never touched;
- * - the key rows of a tile are widened to fp32 once for every query vector, the sixteen dot
- *   products of a vector summed together (sum16) and stored whole;
+ * - the key rows of a tile serve every query vector (read as bf16 pairs by vdpbf16ps with
+ *   AVX512_BF16, else widened to fp32 once), the sixteen dot products of a vector summed
+ *   together (sum16) and stored whole;
  * - positions no row attends to inside a live tile load a live row instead: their weight is
  *   exactly 0, so every position of a tile is summed without a branch, with the same result
  *   as skipping it.
@@ -40,6 +41,12 @@
 #define PART_FLOATS(head_dim) ((head_dim) + 2)
 
 typedef float float16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+/* A cache row into L2 only (prefetch_row brings it to L1). */
+static inline void prefetch_row_l2(const char *head, int64_t slot, size_t row_bytes) {
+    const char *start = head + (size_t)slot * row_bytes;
+    for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 2);
+}
 
 /* Sixteen bf16 values widened to fp32 in one zero-extension and one shift (the generic
  * widen_bf16 compiles to two halves and their joins where GCC prefers 256-bit vectors). */
@@ -94,7 +101,8 @@ static inline __attribute__((always_inline)) void finish_scores(
 #if defined(__AVX512BF16__)
 /* Every query vector's scores at one tile (positions t0 .. t0 + 15) straight from the bf16
  * key rows: vdpbf16ps multiplies two dimensions a lane against the query rounded to bf16
- * (as the model's own bf16 queries are), so no key row is widened. */
+ * (as PyTorch's bf16 layers hold it; the native step's fp32 queries take that rounding
+ * here), so no key row is widened. */
 #define SCORE_FROM_BF16 1
 static inline __attribute__((always_inline)) void score_tile(
     const uint16_t *queries, int64_t count, const uint16_t *const *rows,
@@ -269,12 +277,12 @@ static inline __attribute__((always_inline)) int attend_range(
         const int ahead = i + TILE_AHEAD < live_tiles && masks[i + TILE_AHEAD] != 0;
         const uint16_t *rows[16];
         for (int p = 0; p < 16; p++) {
-            if (ahead) prefetch_row(k_head, slots[16 * (i + TILE_AHEAD) + p], row_bytes);
-            /* The same tile's value rows into L2 for the value pass: two streams in flight
-             * while the scores are computed, not one (measured 5-10% faster cold). */
             if (ahead) {
-                const char *v_row = v_head + (size_t)slots[16 * (i + TILE_AHEAD) + p] * row_bytes;
-                for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(v_row + o, 0, 2);
+                const int64_t slot = slots[16 * (i + TILE_AHEAD) + p];
+                prefetch_row(k_head, slot, row_bytes);
+                /* The same tile's value rows into L2 for the value pass: two streams in
+                 * flight while the scores are computed, not one (5-10% faster cold). */
+                prefetch_row_l2(v_head, slot, row_bytes);
             }
             rows[p] = (const uint16_t *)k_head + slots[16 * i + p] * head_dim;
         }

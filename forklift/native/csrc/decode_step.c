@@ -251,7 +251,6 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     int64_t first[rows], length[rows];
     const int64_t pieces = attention_pieces(blocks, rows, table_width, m->kv_heads,
                                             num_threads, first, length);
-    int task_failed = 0;
 #if defined(ATTENTION_TILES)
     if (tiles_cover(m->head_dim, m->is_bf16)) {
         *failed |= tiled_attention(q, layer->key_cache, layer->value_cache, blocks, bias, out,
@@ -262,6 +261,7 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     }
 #endif
     const int64_t tasks = pieces * m->kv_heads;
+    int task_failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : task_failed)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t piece = task / m->kv_heads, kv_head = task % m->kv_heads;
