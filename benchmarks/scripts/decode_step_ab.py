@@ -1,9 +1,10 @@
 """The native decode step of this tree against the one of a git revision, side by side in one
 process: one engine on the default model (bf16, its GGUF blocks), its step library swapped
 between the two builds, rounds alternating, each round `STEPS` pure decode steps at each
-batch size with 564-token prompts. Writes benchmarks/<dir>/decode-step-ab.{md,json}.
+batch size with 564-token prompts. Writes benchmarks/<dir>/<name>.{md,json} (name:
+decode-step-ab unless given).
 
-Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir]
+Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ BATCHES = (1, 8)
 def main() -> None:
     revision = sys.argv[1]
     out_dir = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else ROOT / "benchmarks"
+    stem = sys.argv[3] if len(sys.argv) > 3 else "decode-step-ab"
     longest = max(BATCHES)
     budget = decode_step_budget(longest)
     llm = LLM(model=str(default_model_path()), dtype="bfloat16", max_num_seqs=longest,
@@ -60,7 +62,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": CONTEXT,
               "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
-    (out_dir / "decode-step-ab.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Native decode step: this tree against a baseline revision",
         "",
@@ -77,10 +79,10 @@ def main() -> None:
         ),
         "",
         f"Command: `.venv/bin/python benchmarks/scripts/decode_step_ab.py {revision} "
-        f"{out_dir.relative_to(ROOT)}`",
+        f"{out_dir.relative_to(ROOT)}" + (f" {stem}`" if stem != "decode-step-ab" else "`"),
         f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "decode-step-ab.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -30,12 +30,14 @@
 
 #define QK 32
 
-/* One activation row as int8 blocks: q[k], the blocks' scales xd[k / 32] and, for q4
- * weights (whose codes are offset), xs[b] = xd[b] * sum(q of block b). */
+/* One activation row as int8 blocks: q[k], the blocks' scales xd[k / 32], for q4 weights
+ * (whose codes are offset) xs[b] = xd[b] * sum(q of block b), and for q8 weights read as
+ * unsigned codes (see group_pair_tile) offset[b] = 128 * sum(q of block b). */
 typedef struct {
     int8_t *q;
     float *xd;
     float *xs;
+    int32_t *offset;
 } QuantizedRow;
 
 /* Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23 leaves
@@ -71,6 +73,7 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
         }
         row.xd[b] = d;
         row.xs[b] = d * (float)sum;
+        row.offset[b] = 128 * sum;
     }
 }
 
@@ -175,14 +178,16 @@ static inline __attribute__((always_inline)) void group_tile(
  * instructions per output of group_tile. Up to PAIR_TILE_ROWS rows share each block's
  * unpacked codes, one accumulator each (the thirty-two registers hold them all). A row's
  * sums take the same steps in the same order whatever the tile's size: a row's result never
- * depends on the rows beside it (speculation's lossless greedy rests on it).
- * sums[r * 16 + i]. */
+ * depends on the rows beside it (speculation's lossless greedy rests on it). Q8 codes go
+ * in as unsigned w + 128 (one xor per block, shared by the rows) and each row's block sum
+ * times 128 comes off its integer dot: the same int32 as signed by signed, with no
+ * per-row negation (vpdpbusd never saturates; AVX2's vpmaddubsw would, so group_tile keeps
+ * the sign trick). sums[r * 16 + i]. */
 static inline __attribute__((always_inline)) void group_pair_tile(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
     float *sums, int is_q4) {
     const int64_t block_bytes = is_q4 ? 128 : 256;
-    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[PAIR_TILE_ROWS];
     for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -193,7 +198,6 @@ static inline __attribute__((always_inline)) void group_pair_tile(
             __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
         }
         __m512i w[8];
-        __mmask64 negative[8];
 #define BOTH_GROUPS(offset)                                                                   \
         _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(                          \
                                (const __m256i *)(first + (offset)))),                         \
@@ -205,12 +209,9 @@ static inline __attribute__((always_inline)) void group_pair_tile(
                 w[c] = _mm512_and_si512(packed, low);
                 w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             }
-        } else { /* signed by signed as |w| by (x negated where w is negative) */
-            for (int c = 0; c < 8; c++) {
-                const __m512i raw = BOTH_GROUPS(32 * c);
-                negative[c] = _mm512_movepi8_mask(raw);
-                w[c] = _mm512_abs_epi8(raw);
-            }
+        } else { /* signed codes as unsigned w + 128, the surplus 128 * sum(x) taken off */
+            const __m512i bias = _mm512_set1_epi8((char)0x80);
+            for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(BOTH_GROUPS(32 * c), bias);
         }
 #undef BOTH_GROUPS
 #define BOTH_SCALES(s)                                                                        \
@@ -224,15 +225,12 @@ static inline __attribute__((always_inline)) void group_pair_tile(
             const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
             __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
             for (int c = 0; c < 8; c += 2) {
-                __m512i x0 = _mm512_set1_epi32(xq[c]), x1 = _mm512_set1_epi32(xq[c + 1]);
-                if (!is_q4) {
-                    x0 = _mm512_mask_sub_epi8(x0, negative[c], zero, x0);
-                    x1 = _mm512_mask_sub_epi8(x1, negative[c + 1], zero, x1);
-                }
-                even = _mm512_dpbusd_epi32(even, w[c], x0);
-                odd = _mm512_dpbusd_epi32(odd, w[c + 1], x1);
+                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[c]));
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
             }
-            const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            __m512i dots = _mm512_add_epi32(even, odd);
+            if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(x[r].offset[b]));
+            const __m512 total = _mm512_cvtepi32_ps(dots);
             acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[b])), acc[r]);
             if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), acc[r]);
         }
@@ -349,13 +347,15 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
 /* Scratch for `rows` quantized activation rows of k values; NULL when out of memory. */
 static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow *views) {
     const int64_t blocks = k / QK;
-    const size_t bytes = (size_t)(rows * k) + sizeof(float) * (size_t)(2 * rows * blocks);
+    /* Per row and block: xd, xs (float), offset (int32); then the codes. */
+    const size_t bytes = (size_t)(rows * k) + sizeof(float) * (size_t)(3 * rows * blocks);
     float *scales = malloc(bytes);
     if (scales == NULL) return NULL;
-    int8_t *codes = (int8_t *)(scales + 2 * rows * blocks);
+    int32_t *offsets = (int32_t *)(scales + 2 * rows * blocks);
+    int8_t *codes = (int8_t *)(offsets + rows * blocks);
     for (int64_t r = 0; r < rows; r++)
         views[r] = (QuantizedRow){codes + r * k, scales + r * blocks,
-                                  scales + (rows + r) * blocks};
+                                  scales + (rows + r) * blocks, offsets + r * blocks};
     return (int8_t *)scales;
 }
 
