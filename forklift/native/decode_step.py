@@ -9,6 +9,8 @@ weights or the KV cache are reallocated or changed (`ModelRunner._reset_captures
 
 What the C side owns: nothing beyond one step (its scratch is allocated and freed per
 call). What it writes: each row's new K and V into the cache slot given, and the logits.
+Dense bf16 weights (a model without quantization, on a CPU with AMX) run as packed tiles
+that the binding owns: binding again after a weight update packs the new weights.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.native.build import load_native_library
+from forklift.native.dense_weights import pack_dense_all
 from forklift.native.quant_matmul import BlockInt4, BlockInt8
 
 PROFILER_NAME = "forklift::native_decode_step"
@@ -37,6 +40,9 @@ _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
 # step still pays at 17-32 rows, where offline throughput on a Sapphire Rapids CPU measured
 # 616 tok/s at a limit of 16, 638 at 24 and 660 at 32.
 NATIVE_STEP_MAX_ROWS = 2 * BLOCK_MAX_ROWS
+# Most rows of a step on dense bf16 weights (AMX tiles): an RL rollout's 8 prompts x 8
+# samples in one step.
+DENSE_STEP_MAX_ROWS = 64
 
 
 class _QuantWeight(ctypes.Structure):
@@ -47,6 +53,7 @@ class _QuantWeight(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("precise", ctypes.c_int32),
+        ("dense", ctypes.c_int32),
     ]
 
 
@@ -123,6 +130,8 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 
 def _quant_weight(weight: object) -> _QuantWeight:
+    if isinstance(weight, DenseTiles):
+        return _QuantWeight(weight.packed.data_ptr(), None, None, weight.n, weight.k, 0, 1)
     if isinstance(weight, BlockInt4):
         return _QuantWeight(weight.codes.data_ptr(), weight.scales.data_ptr(),
                             weight.mins.data_ptr(), *weight.shape, weight.precise)  # fmt: skip
@@ -145,8 +154,35 @@ def _head_weight(model: LlamaForCausalLM) -> object:
     return model.quantized_head if model.lm_head is None else model.lm_head.quantized
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why this model cannot run the native step (None: it can)."""
+@dataclass(frozen=True)
+class DenseTiles:
+    """A dense bf16 weight [n, k] packed for the AMX tiles (`pack_dense`)."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
+
+
+def dense_linears(model: nn.Module) -> list[torch.Tensor] | None:
+    """Every projection's weight and the LM head's, where all of them are dense bf16 (no
+    quantized copy); else None."""
+    weights = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if linear.quantized is not None:
+                return None
+            weights.append(linear.weight)
+    if _head_weight(model) is not None:
+        return None
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    weights.append(head)
+    return weights if all(w.dtype == torch.bfloat16 for w in weights) else None
+
+
+def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | None:
+    """Why this model cannot run the native step (None: it can). `dense_tiles`: the step
+    library runs dense bf16 weights on this CPU (AMX), so they qualify too."""
     if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
         return f"{type(model).__name__} is neither a Llama-family nor a Gemma 3 model"
     if model.tp is not None:
@@ -156,18 +192,20 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if model.config.rotary_dim % 2:
         return "an odd rotary dimension"
     blocks = (BlockInt4, BlockInt8)
+    dense = dense_tiles and dense_linears(model) is not None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(lin.quantized, blocks) for lin in linears):
+        if not dense and not all(isinstance(lin.quantized, blocks) for lin in linears):
             return (
-                "layers without native block weights (quantization none, or decode_backend torch)"
+                "layers without native block weights (quantization none, or decode_backend "
+                "torch), nor dense bf16 ones on a CPU with AMX"
             )
         norms = [*_layer_norms(layer), model.norm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if len({type(n) for n in norms}) != 1 or type(norms[0]) not in _NORM_OFFSETS:
             return "norms other than RMSNorm (or, throughout, the 1 + w kind)"
-    if not isinstance(_head_weight(model), blocks):
+    if not dense and not isinstance(_head_weight(model), blocks):
         return "an LM head without native block weights"
     return None
 
@@ -199,6 +237,17 @@ class StepBinding:
             if gemma else global_rope
         )  # fmt: skip
         self._ropes = (global_rope, local_rope)
+        # Dense bf16 weights run as packed tiles, which this binding owns; in the order
+        # dense_linears lists them (each layer's four projections, then the head).
+        dense = dense_linears(model)
+        packs = [] if dense is None else pack_dense_all(dense)
+        self._dense = [DenseTiles(p, *w.shape) for p, w in zip(packs, dense or [], strict=True)]
+        self.max_rows = NATIVE_STEP_MAX_ROWS if dense is None else DENSE_STEP_MAX_ROWS
+        packed = iter(self._dense)
+
+        def weight(quantized: object) -> _QuantWeight:
+            return _quant_weight(quantized if dense is None else next(packed))
+
         layers = []
         for layer, (keys, values) in zip(model.layers, layer_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -215,10 +264,10 @@ class StepBinding:
                 _pointer(attn.k_norm.weight) if attn.k_norm is not None else None,
                 _pointer(attn.qkv_proj.bias),
                 _pointer(attn.o_proj.bias),
-                _quant_weight(attn.qkv_proj.quantized),
-                _quant_weight(attn.o_proj.quantized),
-                _quant_weight(mlp.gate_up_proj.quantized),
-                _quant_weight(mlp.down_proj.quantized),
+                weight(attn.qkv_proj.quantized),
+                weight(attn.o_proj.quantized),
+                weight(mlp.gate_up_proj.quantized),
+                weight(mlp.down_proj.quantized),
                 _pointer(keys),
                 _pointer(values),
                 _pointer(layer.post_attention_layernorm.weight) if gemma else None,
@@ -236,7 +285,7 @@ class StepBinding:
             config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
             block_size, config.rms_norm_eps, model.layers[0].self_attn.scale,
             _DTYPE_FLAGS[dtype], _pointer(model.embed_tokens.weight), _pointer(model.norm.weight),
-            _quant_weight(_head_weight(model)), self._layers,
+            weight(_head_weight(model)), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"),
         )  # fmt: skip
@@ -263,6 +312,8 @@ class NativeDecodeStep:
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
+        # Whether dense bf16 weights run here (AMX tiles compiled in and granted).
+        self.dense_tiles = bool(library.forklift_decode_step_dense_tiles())
         self._timings: ctypes.Array[ctypes.c_double] | None = None
 
     def start_timing(self) -> None:
@@ -294,8 +345,8 @@ class NativeDecodeStep:
         `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
         `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter."""
         rows = input_ids.shape[0]
-        if not 0 < rows <= NATIVE_STEP_MAX_ROWS:
-            raise ValueError(f"a native step runs 1-{NATIVE_STEP_MAX_ROWS} rows, got {rows}")
+        if not 0 < rows <= binding.max_rows:
+            raise ValueError(f"this native step runs 1-{binding.max_rows} rows, got {rows}")
         if len(groups) < binding.num_groups:
             raise ValueError(f"the model reads {binding.num_groups} KV groups, got {len(groups)}")
         ids = input_ids.to(torch.int64).contiguous()

@@ -37,19 +37,29 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return function
 
 
-def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of `tensor` on huge pages where the OS grants them (else
-    `tensor` itself). The copy is a view into a slightly larger buffer, which it keeps
-    alive."""
-    nbytes = tensor.numel() * tensor.element_size()
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of uninitialised CPU memory (uint8) on huge pages, or None where the OS does
+    not grant them or the size gains nothing. A view into a slightly larger buffer, which it
+    keeps alive; the pages are advised before anything touches them."""
     madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu" or nbytes < MIN_BYTES:
-        return tensor
+    if madvise is None or nbytes < MIN_BYTES:
+        return None
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     if madvise(raw.data_ptr() + start, min(span, raw.numel() - start), _MADV_HUGEPAGE) != 0:
+        return None
+    return raw[start : start + nbytes]
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of `tensor` on huge pages where the OS grants them (else
+    `tensor` itself)."""
+    buffer = None
+    if tensor.device.type == "cpu":
+        buffer = huge_page_buffer(tensor.numel() * tensor.element_size())
+    if buffer is None:
         return tensor
-    placed = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+    placed = buffer.view(tensor.dtype).view(tensor.shape)
     placed.copy_(tensor)
     return placed

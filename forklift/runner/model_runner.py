@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
+from forklift.cpu import cpu_flags
 from forklift.model.gemma3 import Gemma3ForCausalLM
 from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata
@@ -33,6 +34,7 @@ from forklift.model.weight_update import WeightUpdater
 from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import (
+    DENSE_STEP_MAX_ROWS,
     NATIVE_STEP_MAX_ROWS,
     NativeDecodeStep,
     StepBinding,
@@ -128,6 +130,7 @@ class ModelRunner:
         self.weights = weights
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
+        self.decode_backend = decode_backend
         self.quant_kernel = self._load_quant_kernel(decode_backend)
         self.tp = tp
         self.mirror = RankMirror(tp)
@@ -241,9 +244,10 @@ class ModelRunner:
         return "native matmuls" if self.quant_kernel is not None else "torch"
 
     def _load_native_step(self) -> NativeDecodeStep | None:
-        """One native call per decode step where the model and its weights allow it."""
+        """One native call per decode step where the model and its weights allow it: block-
+        quantized weights, or dense bf16 ones where the CPU has AMX tiles."""
         if self.quant_kernel is None:
-            return None  # the native block kernels are off; the log said why
+            return self._load_dense_native_step()
         reason = unsupported_reason(self.model)
         step = NativeDecodeStep.load() if reason is None else None
         if reason is None and step is None:
@@ -253,6 +257,38 @@ class ModelRunner:
         else:
             logger.info("decode step: one native call for up to %d rows", NATIVE_STEP_MAX_ROWS)
         return step
+
+    def _load_dense_native_step(self) -> NativeDecodeStep | None:
+        """The native step on dense bf16 weights: decode_backend auto, no quantization, a
+        CPU with AMX; None (the PyTorch layers, logged) otherwise."""
+        if (
+            self.decode_backend != "auto"
+            or self.quantization.enabled
+            or self.device.type != "cpu"
+            or "amx_bf16" not in cpu_flags()
+        ):
+            return None  # the torch path, as the block kernels' log line said
+        reason = unsupported_reason(self.model, dense_tiles=True)
+        step = NativeDecodeStep.load() if reason is None else None
+        if reason is None and step is None:
+            reason = "the step library did not build"
+        elif step is not None and not step.dense_tiles:
+            reason, step = "the kernel grants no AMX tile state", None
+        if reason is not None:
+            logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
+            return None
+        logger.info(
+            "decode step: one native call on dense bf16 AMX tiles for up to %d rows",
+            DENSE_STEP_MAX_ROWS,
+        )
+        return step
+
+    @property
+    def native_step_max_rows(self) -> int:
+        """Most rows a native step runs (0: no native step)."""
+        if self.native_step is None:
+            return 0
+        return NATIVE_STEP_MAX_ROWS if self.quant_kernel is not None else DENSE_STEP_MAX_ROWS
 
     def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
         """The native block kernels where the backend and this machine allow them."""
@@ -535,7 +571,7 @@ class ModelRunner:
         """A decode step of few rows, each sampling its one new token, scoring no prompt."""
         return (
             self.native_step is not None
-            and 0 < len(scheduled) <= NATIVE_STEP_MAX_ROWS
+            and 0 < len(scheduled) <= self.native_step_max_rows
             and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt
                     for s in scheduled)
         )  # fmt: skip

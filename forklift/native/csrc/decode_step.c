@@ -9,15 +9,47 @@
  * embedding, and per layer its own rotary table and KV group (a sliding-window layer reads
  * its group's blocks, window-masked, and writes its own slots).
  *
- * Every linear is a block-quantized weight (quant_matmul.h); norms, the embedding and the
- * KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA adapter adds its
+ * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX, a
+ * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms, the
+ * embedding and the KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA adapter adds its
  * slot's delta to each projection it adapts (float32 slots, see lora_add). The residual
  * stream and every activation stay in fp32 between operations. Each matmul and the
  * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
  * the calling thread.
  */
 #include "attention_tiles.h"
+#include "dense_matmul.h"
 #include "quant_matmul.h"
+
+/* Rows from which the per-row work (norms, rotary and the K/V write, the gate) fans out over
+ * the threads: an RL rollout's 64 rows spend milliseconds a step there on one thread, while
+ * a few rows would pay more to start the threads than they save. */
+#define ROW_PARALLEL_MIN 8
+
+/* 1 where dense bf16 weights can run here (AMX compiled in and granted). */
+int forklift_decode_step_dense_tiles(void) {
+#if defined(FORKLIFT_DENSE_TILES)
+    return dense_tiles_granted();
+#else
+    return 0;
+#endif
+}
+
+/* One projection: dense tiles or quantized blocks. dense_x: bf16 scratch for dense rows. */
+static void step_matmul(const QuantWeight *w, const float *x, int64_t rows,
+                        QuantizedRow *views, float *rest, uint16_t *dense_x, float *out,
+                        int num_threads) {
+#if defined(FORKLIFT_DENSE_TILES)
+    if (w->dense) {
+        dense_matmul_rows((const uint16_t *)w->codes, w->n, w->k, x, rows, dense_x, out,
+                          num_threads);
+        return;
+    }
+#else
+    (void)dense_x;
+#endif
+    quant_matmul_rows(w, x, rows, views, rest, out, num_threads);
+}
 
 /* One projection's LoRA slots (forklift/model/layers/lora_slots.py); a == NULL: none. */
 typedef struct {
@@ -314,22 +346,24 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
     const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
                                           : (q_size > hidden ? q_size : hidden);
-    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 2 * inter) + widest);
+    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 3 * inter) + widest);
     float *residual = malloc(sizeof(float) * floats);
     QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
     int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, widest, views);
-    if (residual == NULL || views == NULL || scratch == NULL) {
+    uint16_t *dense_x = malloc(sizeof(uint16_t) * (size_t)dense_scratch_elements(rows, widest));
+    if (residual == NULL || views == NULL || scratch == NULL || dense_x == NULL) {
         free(residual);
         free(views);
         free(scratch);
+        free(dense_x);
         return 1;
     }
     float *normed = residual + rows * hidden;     /* [rows, hidden] */
     float *qkv = normed + rows * hidden;          /* [rows, q + 2 kv] */
     float *attended = qkv + rows * qkv_size;      /* [rows, q] */
     float *gate_up = attended + rows * q_size;    /* [rows, 2 inter] */
-    float *activated = gate_up;                   /* reuses gate_up's first half per row */
-    float *rest = gate_up + rows * 2 * inter;     /* [widest]: precise weights' residuals */
+    float *activated = gate_up + rows * 2 * inter; /* [rows, inter]; rows run in parallel */
+    float *rest = activated + rows * inter;       /* [widest]: precise weights' residuals */
     const int is_bf16 = m->is_bf16;
     int failed = 0;
 
@@ -352,14 +386,16 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         const StepLayer *layer = &m->layers[l];
         const StepGroup *group = &groups[layer->group];
         const int64_t *slots = group->slots;
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
-        TIMED(0, quant_matmul_rows(&layer->qkv, normed, rows, views, rest, qkv, num_threads));
+        TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv, num_threads));
         TIMED(0, lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
                           num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
         const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
             if (layer->qkv_bias != NULL)
@@ -391,9 +427,10 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         /* attended holds the queries; attention reads them and writes into qkv's room. */
         float *context = qkv;
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
-        TIMED(0, quant_matmul_rows(&layer->o, context, rows, views, rest, normed, num_threads));
+        TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed, num_threads));
         TIMED(0, lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
                           num_threads));
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *out = normed + r * hidden;
             if (layer->o_bias != NULL)
@@ -402,12 +439,14 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                 rms_norm(out, layer->attn_out_norm, hidden, m->eps, is_bf16, offset, out);
             for (int64_t i = 0; i < hidden; i++) residual[r * hidden + i] += out[i];
         }
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
-        TIMED(0, quant_matmul_rows(&layer->gate_up, normed, rows, views, rest, gate_up, num_threads));
+        TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up, num_threads));
         TIMED(0, lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
                           gate_up, num_threads));
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             const float *g = gate_up + r * 2 * inter;
             if (m->gelu)
@@ -415,10 +454,11 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             else
                 silu_mul(g, g + inter, inter, activated + r * inter);
         }
-        TIMED(0, quant_matmul_rows(&layer->down, activated, rows, views, rest, normed, num_threads));
+        TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed, num_threads));
         TIMED(0, lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
                           num_threads));
         if (layer->mlp_out_norm != NULL)
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(normed + r * hidden, layer->mlp_out_norm, hidden, m->eps, is_bf16,
                          offset, normed + r * hidden);
@@ -427,7 +467,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     for (int64_t r = 0; r < rows; r++)
         rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16, offset,
                  normed + r * hidden);
-    TIMED(0, quant_matmul_rows(&m->head, normed, rows, views, rest, logits, num_threads));
+    TIMED(0, step_matmul(&m->head, normed, rows, views, rest, dense_x, logits, num_threads));
     if (timings != NULL) {
         const double timed = timings[0] + timings[1] - timed_before;
         timings[2] += omp_get_wtime() - step_started - timed;
@@ -435,5 +475,6 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     free(residual);
     free(views);
     free(scratch);
+    free(dense_x);
     return failed;
 }

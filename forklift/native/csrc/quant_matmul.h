@@ -249,6 +249,7 @@ typedef struct {
     const uint16_t *m; /* q4 only */
     int64_t n, k;      /* n: the real output rows (the layout holds ceil(n / 8) groups) */
     int32_t precise;
+    int32_t dense;     /* 1: codes are dense bf16 tiles (dense_matmul.h), d and m unused */
 } QuantWeight;
 
 /* One activation row's sums for outputs first..first + width - 1: written, or with `fold`

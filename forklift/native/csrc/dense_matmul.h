@@ -1,0 +1,155 @@
+/* Dense bf16 matmuls on AMX tiles for the decode step: out[r, n] = sum_k x[r, k] * w[n, k],
+ * the weights bf16 as a model's dense layers hold them (RL rollouts push them in every
+ * optimizer step).
+ *
+ * Packed layout (`forklift.native.dense_weights.pack_dense` writes it): for each block of 16
+ * outputs j and 32 inputs t, one 1 KB tile, element [i][c][p] = w[16 j + c][32 t + 2 i + p]
+ * (i < 16 input pairs, c < 16 outputs, p < 2): the B operand of `tdpbf16ps` as it loads,
+ * row-major over (j, t), so one output block's tiles are one contiguous stream. N is padded
+ * to 32 (blocks go in pairs) and K to 32 with zeros.
+ *
+ * Activations are rounded to bf16 (as PyTorch's bf16 layers hold them) into rows of a
+ * zero-padded scratch; the products accumulate in fp32 tiles. Compiled only where the target has
+ * AMX-BF16 (and AVX512-BF16, for the rounding); `dense_tiles_usable` also needs the kernel
+ * to have granted this process the tile state.
+ */
+#ifndef FORKLIFT_DENSE_MATMUL_H
+#define FORKLIFT_DENSE_MATMUL_H
+
+#include "common.h"
+
+#include <omp.h>
+
+/* bf16 scratch elements dense_matmul_rows needs for `rows` rows of k inputs: whole tiles of
+ * 16 rows and 32 columns. */
+static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
+    return (rows + 15) / 16 * 16 * ((k + 31) / 32 * 32);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FORKLIFT_DENSE_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+
+/* Linux hands out AMX's tile data state only on request (arch_prctl, XFEATURE_XTILEDATA). */
+static int dense_tiles_granted(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+/* Tiles 0-3: fp32 sums (rows 16 m .. of the pair, outputs 16 c .. of the pair: tile 2 m + c);
+ * 4, 5: activations of the pair's two row tiles; 6, 7: the two output blocks' weight tiles.
+ * Each loaded tile serves two products (the 2 x 2 blocking that keeps the tile unit busy).
+ * All tiles 16 rows of 64 bytes; ldtilecfg's operand is 64 bytes: palette, then per tile
+ * bytes per row and rows. */
+static inline void dense_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Two blocks of 16 outputs (their tiles `first`, `second`, k_tiles each) against one or two
+ * tiles of 16 activation rows (x: bf16 rows of `stride` elements); the sums of tile
+ * 2 m + c into sums[2 m + c] ([16][16], contiguous: tile stores to scattered output rows
+ * cost a third of the time). */
+static inline __attribute__((always_inline)) void dense_pair(
+    const uint16_t *first, const uint16_t *second, int64_t k_tiles, const uint16_t *x,
+    int64_t stride, int m_tiles, float (*sums)[256]) {
+    const size_t row_bytes = (size_t)stride * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (m_tiles > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t t = 0; t < k_tiles; t++) {
+        _tile_loadd(6, first + t * 512, 64);
+        _tile_loadd(4, x + 32 * t, row_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        if (m_tiles > 1) _tile_loadd(5, x + 16 * stride + 32 * t, row_bytes);
+        _tile_loadd(7, second + t * 512, 64);
+        if (m_tiles > 1) _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (m_tiles > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (m_tiles > 1) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+}
+
+/* x [rows, k] fp32 rounded to bf16 into xb [padded rows, k_padded] (zeros past the rows
+ * and past k). */
+static inline void dense_round_rows(const float *x, int64_t rows, int64_t padded_rows,
+                                    int64_t k, int64_t k_padded, uint16_t *xb) {
+    memset(xb, 0, sizeof(uint16_t) * (size_t)(padded_rows * k_padded));
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = x + r * k;
+        uint16_t *dst = xb + r * k_padded;
+        int64_t i = 0;
+        for (; i + 32 <= k; i += 32) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                      _mm512_loadu_ps(src + i));
+            _mm512_storeu_si512(dst + i, (__m512i)pair);
+        }
+        for (; i < k; i++) dst[i] = float_to_bf16(src[i]);
+    }
+}
+
+/* out [rows, n] = x [rows, k] @ W.T for packed W (n, k its real sizes). `xb`: scratch of
+ * dense_scratch_elements(rows, k) bf16. Pairs of output blocks are split among the threads;
+ * each pair's weights come from memory for the first 32 rows and from L2 for the rest. */
+static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t k,
+                                     const float *x, int64_t rows, uint16_t *xb, float *out,
+                                     int num_threads) {
+    const int64_t k_padded = (k + 31) / 32 * 32, k_tiles = k_padded / 32;
+    const int64_t pairs = (n + 31) / 32;
+    const int64_t padded_rows = (rows + 15) / 16 * 16;
+    dense_round_rows(x, rows, padded_rows, k, k_padded, xb);
+#pragma omp parallel num_threads(num_threads)
+    {
+        dense_configure();
+        float sums[4][256] __attribute__((aligned(64)));
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (pairs + threads - 1) / threads;
+        const int64_t begin = id * per < pairs ? id * per : pairs;
+        const int64_t end = begin + per < pairs ? begin + per : pairs;
+        for (int64_t j = begin; j < end; j++) {
+            const uint16_t *first = packed + 2 * j * k_tiles * 512;
+            const uint16_t *second = first + k_tiles * 512;
+            const int64_t col = 32 * j;
+            /* Lanes of each 16-output block that exist (n need not be a multiple of 32). */
+            __mmask16 lanes[2];
+            for (int c = 0; c < 2; c++) {
+                const int64_t width = n - col - 16 * c;
+                lanes[c] = width >= 16 ? 0xffff : width <= 0 ? 0 : (__mmask16)((1u << width) - 1);
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+                const int64_t pass_rows = rows - r0 < 32 ? rows - r0 : 32;
+                const uint16_t *xp = xb + r0 * k_padded;
+                if (pass_rows > 16)
+                    dense_pair(first, second, k_tiles, xp, k_padded, 2, sums);
+                else
+                    dense_pair(first, second, k_tiles, xp, k_padded, 1, sums);
+                for (int64_t r = 0; r < pass_rows; r++)
+                    for (int c = 0; c < 2; c++)
+                        _mm512_mask_storeu_ps(out + (r0 + r) * n + col + 16 * c, lanes[c],
+                                              _mm512_load_ps(sums[2 * (r / 16) + c] + (r % 16) * 16));
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+#endif
