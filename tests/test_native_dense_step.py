@@ -39,9 +39,19 @@ def test_tile_matmul_is_the_bf16_product(shape, rows):
 def test_weights_packed_in_one_buffer_equal_each_packed_alone():
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in ((96, 64), (50, 40))]
-    weights.append(torch.randn(4096, 1024, generator=gen).bfloat16())  # large enough for huge pages
-    for together, alone in zip(pack_dense_all(weights), weights, strict=True):
+    weights.append(torch.randn(8192, 1024, generator=gen).bfloat16())  # enough for huge pages
+    packed, buffer = pack_dense_all(weights)
+    for together, alone in zip(packed, weights, strict=True):
         assert torch.equal(together, pack_dense(alone))
+    # Updated weights of the same shapes pack into the same buffer; other shapes get another.
+    changed = [-w for w in weights]
+    repacked, same = pack_dense_all(changed, buffer)
+    if buffer is not None:
+        assert same is buffer and repacked[0].data_ptr() == packed[0].data_ptr()
+    for together, alone in zip(repacked, changed, strict=True):
+        assert torch.equal(together, pack_dense(alone))
+    _, other = pack_dense_all(changed[1:], buffer)
+    assert other is not buffer or buffer is None
     with pytest.raises(ValueError, match="2-D"):
         pack_dense(torch.zeros(8))
 

@@ -224,7 +224,14 @@ def _layer_norms(layer: nn.Module) -> list[nn.Module]:
 class StepBinding:
     """The C structs of one model and KV cache; the tensors they point into must outlive it."""
 
-    def __init__(self, model: LlamaForCausalLM, layer_caches: list[LayerCache]) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        layer_caches: list[LayerCache],
+        dense_buffer: torch.Tensor | None = None,
+    ) -> None:
+        """`dense_buffer`: an earlier binding's `dense_buffer`, packed into again (the runner
+        passes it on across weight updates)."""
         config = model.config
         key_cache = layer_caches[0][0]
         kv_heads, num_blocks, block_size, head_dim = key_cache.shape
@@ -240,7 +247,7 @@ class StepBinding:
         # Dense bf16 weights run as packed tiles, which this binding owns; in the order
         # dense_linears lists them (each layer's four projections, then the head).
         dense = dense_linears(model)
-        packs = [] if dense is None else pack_dense_all(dense)
+        packs, self.dense_buffer = pack_dense_all(dense, dense_buffer) if dense else ([], None)
         self._dense = [DenseTiles(p, *w.shape) for p, w in zip(packs, dense or [], strict=True)]
         self.max_rows = NATIVE_STEP_MAX_ROWS if dense is None else DENSE_STEP_MAX_ROWS
         packed = iter(self._dense)

@@ -145,6 +145,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
+        # Dense tiles' buffer carried from a binding to the next across weight updates.
+        self._dense_buffer: torch.Tensor | None = None
         self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
         # Speculation by MTP reads every token's final hidden state of the last step.
         self.keep_hidden_states = False
@@ -363,6 +365,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._allocate_kv_cache(num_blocks, num_state_slots)
         self._warm_up_decode_attention()
+        self._bind_native_step()
+
+    def _bind_native_step(self) -> None:
+        """Bind the native step to the weights and the new cache now (dense weights are
+        packed here), not in the first request."""
+        if self.native_step is not None and self._step_binding is None:
+            self._step_binding = StepBinding(self.model, self.layer_caches, self._dense_buffer)
+            self._dense_buffer = None  # the binding holds it now
 
     def _warm_up_decode_attention(self) -> None:
         """Compile the in-place decode kernel for this model's shapes now rather than in the
@@ -449,6 +459,7 @@ class ModelRunner:
 
     def _reset_captures(self) -> None:
         self._step_binding = None  # it points into the old weights or cache
+        self._dense_buffer = None
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
@@ -482,6 +493,8 @@ class ModelRunner:
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()
         requantize(self.model, changed, self.quant_kernel)
+        if self._step_binding is not None:  # the next binding packs into the same buffer
+            self._dense_buffer = self._step_binding.dense_buffer
         self._step_binding = None  # requantized layers are new tensors
         return applied
 
@@ -578,8 +591,7 @@ class ModelRunner:
 
     def _native_forward(self, inputs: StepInputs) -> torch.Tensor:
         assert self.native_step is not None
-        if self._step_binding is None:
-            self._step_binding = StepBinding(self.model, self.layer_caches)
+        self._bind_native_step()  # again after the weights or the cache changed
         self.native_steps += 1
         groups = [
             (meta.slot_mapping, meta.groups[0].kv_blocks, meta.groups[0].mask)
