@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
@@ -108,11 +107,7 @@ def test_native_step_follows_weight_updates(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     changed = -0.5 * tiny.hf_model.state_dict()[name]
     llm.update_weights([(name, changed)])
-    with torch.no_grad():
-        tiny.hf_model.get_parameter(name).copy_(changed)
-    tiny.hf_model.save_pretrained(tmp_path / "b", safe_serialization=True)
-    for extra in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "b" / extra).write_bytes((tmp_path / "a" / extra).read_bytes())
+    save_with_weight(tiny, tmp_path / "a", tmp_path / "b", name, changed)
     after = _generate(llm, prompts)
     fresh = _generate(_int4_engine(tmp_path / "b"), prompts)
     _assert_same(after, fresh)

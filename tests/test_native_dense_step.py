@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
 from forklift.native import build as native_build
@@ -118,11 +118,8 @@ def test_dense_step_follows_weight_updates(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     changed = -0.5 * tiny.hf_model.state_dict()[name]
     llm.update_weights([(name, changed)])
-    with torch.no_grad():
-        tiny.hf_model.get_parameter(name).copy_(changed)
-    tiny.hf_model.save_pretrained(tmp_path / "b", safe_serialization=True)
-    for extra in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "b" / extra).write_bytes((tmp_path / "a" / extra).read_bytes())
+    assert llm.llm_engine.runner._step_binding is not None  # packed in the update itself
+    save_with_weight(tiny, tmp_path / "a", tmp_path / "b", name, changed)
     after = _generate(llm, prompts)
     fresh = _generate(_engine(tmp_path / "b"), prompts)
     for a, b in zip(after, fresh, strict=True):
@@ -141,3 +138,18 @@ def test_the_log_says_the_dense_step_runs(tmp_path, caplog):
     assert dense.llm_engine.runner.native_step_max_rows == DENSE_STEP_MAX_ROWS
     # fp32 weights stay on the PyTorch layers (exact HF parity)
     assert fp32.llm_engine.runner.native_step is None
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_dense_step_through_sleep_and_wake(tmp_path, level):
+    make_tiny_model("llama", tmp_path)
+    llm = _engine(tmp_path)
+    prompts = [[5, 17, 3], [9, 4, 21, 2]]
+    before = _generate(llm, prompts)
+    llm.sleep(level=level)
+    llm.wake_up()
+    after = _generate(llm, prompts)
+    for a, b in zip(after, before, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-5)
+    assert llm.llm_engine.runner.native_steps >= 2 * 15

@@ -119,6 +119,18 @@ def _save(model: torch.nn.Module, directory: Path) -> TinyModel:
     return TinyModel(directory, model)
 
 
+def save_with_weight(
+    tiny: TinyModel, source: Path, target: Path, name: str, value: torch.Tensor
+) -> None:
+    """Set the HF model's parameter `name` to `value` and save the model to `target`, with
+    `source`'s tokenizer files: the checkpoint a weight update should be equal to."""
+    with torch.no_grad():
+        tiny.hf_model.get_parameter(name).copy_(value)
+    tiny.hf_model.save_pretrained(target, safe_serialization=True)
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        (target / extra).write_bytes((source / extra).read_bytes())
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int):
     """HF transformers' greedy continuation and each chosen token's logprob."""
     out = model.generate(

@@ -4,9 +4,6 @@ between the two builds, rounds alternating, each round `STEPS` pure decode steps
 batch size with 564-token prompts. Writes benchmarks/<dir>/<name>.{md,json} (name:
 decode-step-ab unless given).
 
-The step's structs are bound by this tree's Python, so REV must share them (from the commit
-that added dense weights to `QuantWeight` on).
-
 Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
 """
 

@@ -48,7 +48,7 @@ def main() -> None:
     layers = [[torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES]
               for _ in range(LAYERS)]  # fmt: skip
     head = torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16()
-    tiles = pack_dense_all([w for layer in layers for w in layer] + [head])
+    tiles, _ = pack_dense_all([w for layer in layers for w in layer] + [head])
     onednn = [pack_weight(w) for layer in layers for w in layer] + [pack_weight(head)]
     weights = [w for layer in layers for w in layer] + [head]
     results = []

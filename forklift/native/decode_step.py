@@ -16,6 +16,8 @@ that the binding owns: binding again after a weight update packs the new weights
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -29,7 +31,7 @@ from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.native.build import load_native_library
-from forklift.native.dense_weights import pack_dense_all
+from forklift.native.dense_weights import pack_dense_all, packed_shape
 from forklift.native.quant_matmul import BlockInt4, BlockInt8
 
 PROFILER_NAME = "forklift::native_decode_step"
@@ -163,21 +165,33 @@ class DenseTiles:
     k: int
 
 
-def dense_linears(model: nn.Module) -> list[torch.Tensor] | None:
-    """Every projection's weight and the LM head's, where all of them are dense bf16 (no
-    quantized copy); else None."""
-    weights = []
-    for layer in model.layers:
+def dense_linears(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every projection's weight and the LM head's by name ("0.qkv" .. "head"), where all of
+    them are dense bf16 (no quantized copy); else None."""
+    weights = {}
+    for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for name, linear in zip(_PROJECTIONS, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                               mlp.down_proj), strict=True):  # fmt: skip
             if linear.quantized is not None:
                 return None
-            weights.append(linear.weight)
+            weights[f"{index}.{name}"] = linear.weight
     if _head_weight(model) is not None:
         return None
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    weights.append(head)
-    return weights if all(w.dtype == torch.bfloat16 for w in weights) else None
+    weights["head"] = head
+    return weights if all(w.dtype == torch.bfloat16 for w in weights.values()) else None
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def dense_tile_bytes(model: nn.Module) -> int:
+    """Bytes of the packed tiles a binding holds for this model's dense weights (0: none)."""
+    weights = dense_linears(model)
+    if weights is None:
+        return 0
+    return sum(2 * math.prod(packed_shape(*w.shape)) for w in weights.values())
 
 
 def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | None:
@@ -244,19 +258,22 @@ class StepBinding:
             if gemma else global_rope
         )  # fmt: skip
         self._ropes = (global_rope, local_rope)
-        # Dense bf16 weights run as packed tiles, which this binding owns; in the order
-        # dense_linears lists them (each layer's four projections, then the head).
+        # Dense bf16 weights run as packed tiles, which this binding owns, by name.
         dense = dense_linears(model)
-        packs, self.dense_buffer = pack_dense_all(dense, dense_buffer) if dense else ([], None)
-        self._dense = [DenseTiles(p, *w.shape) for p, w in zip(packs, dense or [], strict=True)]
+        self.dense_buffer: torch.Tensor | None = None
+        self._dense: dict[str, DenseTiles] = {}
+        if dense is not None:
+            packs, self.dense_buffer = pack_dense_all(list(dense.values()), dense_buffer)
+            self._dense = {name: DenseTiles(p, *w.shape)
+                           for (name, w), p in zip(dense.items(), packs, strict=True)}  # fmt: skip
         self.max_rows = NATIVE_STEP_MAX_ROWS if dense is None else DENSE_STEP_MAX_ROWS
-        packed = iter(self._dense)
 
-        def weight(quantized: object) -> _QuantWeight:
-            return _quant_weight(quantized if dense is None else next(packed))
+        def weight(quantized: object, name: str) -> _QuantWeight:
+            return _quant_weight(quantized if dense is None else self._dense[name])
 
         layers = []
-        for layer, (keys, values) in zip(model.layers, layer_caches, strict=True):
+        caches = zip(model.layers, layer_caches, strict=True)
+        for index, (layer, (keys, values)) in enumerate(caches):
             attn, mlp = layer.self_attn, layer.mlp
             if keys.dtype != dtype or values.dtype != dtype:
                 raise ValueError("the native decode step needs the KV cache in the model's dtype")
@@ -271,10 +288,10 @@ class StepBinding:
                 _pointer(attn.k_norm.weight) if attn.k_norm is not None else None,
                 _pointer(attn.qkv_proj.bias),
                 _pointer(attn.o_proj.bias),
-                weight(attn.qkv_proj.quantized),
-                weight(attn.o_proj.quantized),
-                weight(mlp.gate_up_proj.quantized),
-                weight(mlp.down_proj.quantized),
+                weight(attn.qkv_proj.quantized, f"{index}.qkv"),
+                weight(attn.o_proj.quantized, f"{index}.o"),
+                weight(mlp.gate_up_proj.quantized, f"{index}.gate_up"),
+                weight(mlp.down_proj.quantized, f"{index}.down"),
                 _pointer(keys),
                 _pointer(values),
                 _pointer(layer.post_attention_layernorm.weight) if gemma else None,
@@ -292,7 +309,7 @@ class StepBinding:
             config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
             block_size, config.rms_norm_eps, model.layers[0].self_attn.scale,
             _DTYPE_FLAGS[dtype], _pointer(model.embed_tokens.weight), _pointer(model.norm.weight),
-            weight(_head_weight(model)), self._layers,
+            weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"),
         )  # fmt: skip
@@ -319,8 +336,7 @@ class NativeDecodeStep:
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
-        # Whether dense bf16 weights run here (AMX tiles compiled in and granted).
-        self.dense_tiles = bool(library.forklift_decode_step_dense_tiles())
+        self._library = library
         self._timings: ctypes.Array[ctypes.c_double] | None = None
 
     def start_timing(self) -> None:
@@ -334,6 +350,12 @@ class NativeDecodeStep:
         if timings is None:
             return StepTimings(0.0, 0.0, 0.0)
         return StepTimings(*timings)
+
+    @functools.cached_property
+    def dense_tiles(self) -> bool:
+        """Whether dense bf16 weights run here: AMX tiles compiled in and granted (asked on
+        first use: the request is a system call)."""
+        return bool(self._library.forklift_decode_step_dense_tiles())
 
     @classmethod
     def load(cls) -> NativeDecodeStep | None:
@@ -380,6 +402,8 @@ class NativeDecodeStep:
                 group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
                 None if lora_rows is None else lora_rows.data_ptr(),
             )  # fmt: skip
+        if failed == 2:
+            raise RuntimeError("dense bf16 weights bound to a step library without AMX tiles")
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         return logits

@@ -28,7 +28,7 @@ def pack_dense(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     n, k = weight.shape
     padded = F.pad(weight.detach().to(torch.bfloat16), (0, -k % 32, 0, -n % 32))
     blocks_n, blocks_k = padded.shape[0] // 16, padded.shape[1] // 32
-    # Input pairs as one int32 each: the permute moves 4-byte elements (5x faster).
+    # Input pairs as one int32 each: the permute moves 4-byte elements, not 2-byte ones.
     pairs = padded.view(torch.int32).view(blocks_n, 16, blocks_k, 16).permute(0, 2, 3, 1)
     if out is None:
         return pairs.contiguous().view(torch.bfloat16).view(packed_shape(n, k))
@@ -79,8 +79,13 @@ class DenseMatmulKernel:
         """x [rows, K] (any float dtype; rounded to bf16) @ W.T -> [rows, N] float32."""
         x = x.to(torch.float32).contiguous()
         rows, k = x.shape
-        if packed.shape[1] * 32 < k or packed.shape[0] * 16 < out_features:
-            raise ValueError("the packed weight does not match x or out_features")
+        if tuple(packed.shape) != packed_shape(out_features, k):
+            raise ValueError(
+                f"packed weight of shape {tuple(packed.shape)} is not an [{out_features}, {k}] "
+                f"weight's {packed_shape(out_features, k)}"
+            )
+        if packed.dtype != torch.bfloat16 or not packed.is_contiguous():
+            raise ValueError("the packed weight must be contiguous bf16 (pack_dense's output)")
         out = torch.empty(rows, out_features, dtype=torch.float32)
         failed = self._function(x.data_ptr(), rows, k, packed.data_ptr(), out_features,
                                 out.data_ptr(), torch.get_num_threads())  # fmt: skip

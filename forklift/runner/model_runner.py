@@ -38,6 +38,7 @@ from forklift.native.decode_step import (
     NATIVE_STEP_MAX_ROWS,
     NativeDecodeStep,
     StepBinding,
+    dense_tile_bytes,
     unsupported_reason,
 )
 from forklift.native.quant_matmul import QuantMatmulKernel
@@ -142,6 +143,12 @@ class ModelRunner:
         if lora is not None:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
         self.native_step = self._load_native_step()
+        # Most rows a native step runs (0: none): block weights' limit, or dense tiles'.
+        self.native_step_max_rows = (
+            0 if self.native_step is None
+            else NATIVE_STEP_MAX_ROWS if self.quant_kernel is not None
+            else DENSE_STEP_MAX_ROWS
+        )  # fmt: skip
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
@@ -206,7 +213,15 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
+        return (module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
+                + self._dense_tile_bytes)  # fmt: skip
+
+    @property
+    def _dense_tile_bytes(self) -> int:
+        """The native step's packed copy of dense bf16 weights (the weights' size again)."""
+        if self.native_step is None or self.native_step_max_rows != DENSE_STEP_MAX_ROWS:
+            return 0
+        return dense_tile_bytes(self.model)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -284,13 +299,6 @@ class ModelRunner:
             DENSE_STEP_MAX_ROWS,
         )
         return step
-
-    @property
-    def native_step_max_rows(self) -> int:
-        """Most rows a native step runs (0: no native step)."""
-        if self.native_step is None:
-            return 0
-        return NATIVE_STEP_MAX_ROWS if self.quant_kernel is not None else DENSE_STEP_MAX_ROWS
 
     def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
         """The native block kernels where the backend and this machine allow them."""
@@ -458,8 +466,11 @@ class ModelRunner:
         self._reset_captures()
 
     def _reset_captures(self) -> None:
-        self._step_binding = None  # it points into the old weights or cache
-        self._dense_buffer = None
+        # The binding points into the old weights or cache; its dense tiles (no cache
+        # pointers) are kept for the next binding to pack into, unless the weights went.
+        if self._step_binding is not None:
+            self._dense_buffer = self._step_binding.dense_buffer
+        self._step_binding = None
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
@@ -468,6 +479,8 @@ class ModelRunner:
         """Release every parameter's storage; `reload_weights` brings them back."""
         self._weight_updater.discard()
         self.model.unpack_weights()
+        self._reset_captures()
+        self._dense_buffer = None  # the tiles copy the weights: released with them
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -493,9 +506,9 @@ class ModelRunner:
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()
         requantize(self.model, changed, self.quant_kernel)
-        if self._step_binding is not None:  # the next binding packs into the same buffer
-            self._dense_buffer = self._step_binding.dense_buffer
-        self._step_binding = None  # requantized layers are new tensors
+        self._reset_captures()  # requantized layers are new tensors
+        if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
+            self._bind_native_step()
         return applied
 
     @property

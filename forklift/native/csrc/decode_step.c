@@ -11,11 +11,12 @@
  *
  * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX, a
  * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms, the
- * embedding and the KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA adapter adds its
- * slot's delta to each projection it adapts (float32 slots, see lora_add). The residual
+ * embedding and the KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA
+ * adapter adds its slot's delta to each projection it adapts (float32 slots, see
+ * lora_add). The residual
  * stream and every activation stay in fp32 between operations. Each matmul and the
  * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
- * the calling thread.
+ * the calling thread below ROW_PARALLEL_MIN rows, on every thread from there.
  */
 #include "attention_tiles.h"
 #include "dense_matmul.h"
@@ -27,13 +28,7 @@
 #define ROW_PARALLEL_MIN 8
 
 /* 1 where dense bf16 weights can run here (AMX compiled in and granted). */
-int forklift_decode_step_dense_tiles(void) {
-#if defined(FORKLIFT_DENSE_TILES)
-    return dense_tiles_granted();
-#else
-    return 0;
-#endif
-}
+int forklift_decode_step_dense_tiles(void) { return dense_tiles_available(); }
 
 /* One projection: dense tiles or quantized blocks. dense_x: bf16 scratch for dense rows. */
 static void step_matmul(const QuantWeight *w, const float *x, int64_t rows,
@@ -334,8 +329,8 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
 /* Logits [rows, vocab] float32 for one decode token per row. Per KV group: blocks [rows,
  * table_width] and bias [rows, table_width * block_size] as decode_attention.c reads them,
  * and slots: each row's cache slot for its new K/V; timings: NULL, or three sums (see
- * TIMED); row_lora: NULL, or each row's LoRA slot (-1: none). Returns 0, or 1 when scratch
- * memory ran out. */
+ * TIMED); row_lora: NULL, or each row's LoRA slot (-1: none). Returns 0, 1 when scratch
+ * memory ran out, 2 for dense weights in a build without AMX tiles. */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
                          int num_threads, double *timings, const int64_t *row_lora) {
@@ -350,8 +345,19 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     float *residual = malloc(sizeof(float) * floats);
     QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
     int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, widest, views);
-    uint16_t *dense_x = malloc(sizeof(uint16_t) * (size_t)dense_scratch_elements(rows, widest));
-    if (residual == NULL || views == NULL || scratch == NULL || dense_x == NULL) {
+    /* Dense weights' bf16 inputs (a model's weights are all dense or all blocks). */
+    const int dense = m->head.dense;
+#if !defined(FORKLIFT_DENSE_TILES)
+    if (dense) {
+        free(residual);
+        free(views);
+        free(scratch);
+        return 2;
+    }
+#endif
+    uint16_t *dense_x =
+        dense ? malloc(sizeof(uint16_t) * (size_t)dense_scratch_elements(rows, widest)) : NULL;
+    if (residual == NULL || views == NULL || scratch == NULL || (dense && dense_x == NULL)) {
         free(residual);
         free(views);
         free(scratch);
@@ -390,7 +396,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
-        TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv, num_threads));
+        TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
+                             num_threads));
         TIMED(0, lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
                           num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
@@ -427,7 +434,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         /* attended holds the queries; attention reads them and writes into qkv's room. */
         float *context = qkv;
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
-        TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed, num_threads));
+        TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed,
+                             num_threads));
         TIMED(0, lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
                           num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
@@ -443,7 +451,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
-        TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up, num_threads));
+        TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up,
+                             num_threads));
         TIMED(0, lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
                           gate_up, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
@@ -454,7 +463,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             else
                 silu_mul(g, g + inter, inter, activated + r * inter);
         }
-        TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed, num_threads));
+        TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed,
+                             num_threads));
         TIMED(0, lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
                           num_threads));
         if (layer->mlp_out_norm != NULL)

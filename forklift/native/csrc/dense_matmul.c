@@ -2,14 +2,7 @@
  * check whether this CPU and kernel allow the tiles at all). */
 #include "dense_matmul.h"
 
-/* 1 where the tiles compiled in and the kernel grants this process their state. */
-int forklift_dense_tiles_available(void) {
-#if defined(FORKLIFT_DENSE_TILES)
-    return dense_tiles_granted();
-#else
-    return 0;
-#endif
-}
+int forklift_dense_tiles_available(void) { return dense_tiles_available(); }
 
 /* out [rows, n] fp32 = x [rows, k] fp32 (rounded to bf16) @ W.T, W packed as the header
  * says. Returns 0, 1 when scratch memory ran out, 2 where the tiles are not compiled in. */

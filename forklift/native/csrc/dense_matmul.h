@@ -10,8 +10,8 @@
  *
  * Activations are rounded to bf16 (as PyTorch's bf16 layers hold them) into rows of a
  * zero-padded scratch; the products accumulate in fp32 tiles. Compiled only where the target has
- * AMX-BF16 (and AVX512-BF16, for the rounding); `dense_tiles_usable` also needs the kernel
- * to have granted this process the tile state.
+ * AMX-BF16 (and AVX512-BF16, for the rounding); `dense_tiles_available` also needs the
+ * kernel to have granted this process the tile state.
  */
 #ifndef FORKLIFT_DENSE_MATMUL_H
 #define FORKLIFT_DENSE_MATMUL_H
@@ -142,14 +142,25 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
                 else
                     dense_pair(first, second, k_tiles, xp, k_padded, 1, sums);
                 for (int64_t r = 0; r < pass_rows; r++)
-                    for (int c = 0; c < 2; c++)
+                    for (int c = 0; c < 2; c++) {
+                        const float *row = sums[2 * (r / 16) + c] + (r % 16) * 16;
                         _mm512_mask_storeu_ps(out + (r0 + r) * n + col + 16 * c, lanes[c],
-                                              _mm512_load_ps(sums[2 * (r / 16) + c] + (r % 16) * 16));
+                                              _mm512_load_ps(row));
+                    }
             }
         }
         _tile_release();
     }
 }
 #endif
+
+/* 1 where the tiles compiled in and the kernel grants this process their state. */
+static inline int dense_tiles_available(void) {
+#if defined(FORKLIFT_DENSE_TILES)
+    return dense_tiles_granted();
+#else
+    return 0;
+#endif
+}
 
 #endif

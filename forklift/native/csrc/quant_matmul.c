@@ -24,7 +24,7 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
         for (int64_t i = 0; i < rows * k; i++) wide[i] = bf16_to_float(src[i]);
     }
     const float *rows_in = is_bf16 ? wide : (const float *)x;
-    const QuantWeight weight = {codes, d, m, n, k, precise};
+    const QuantWeight weight = {codes, d, m, n, k, precise, 0};
     /* bf16: the float result reuses `wide` (the rows are quantized before any is written). */
     float *result = is_bf16 ? wide : (float *)out;
     quant_matmul_rows(&weight, rows_in, rows, views, rest, result, num_threads);
