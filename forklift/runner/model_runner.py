@@ -143,12 +143,6 @@ class ModelRunner:
         if lora is not None:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
         self.native_step = self._load_native_step()
-        # Most rows a native step runs (0: none): block weights' limit, or dense tiles'.
-        self.native_step_max_rows = (
-            0 if self.native_step is None
-            else NATIVE_STEP_MAX_ROWS if self.quant_kernel is not None
-            else DENSE_STEP_MAX_ROWS
-        )  # fmt: skip
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
@@ -217,11 +211,22 @@ class ModelRunner:
                 + self._dense_tile_bytes)  # fmt: skip
 
     @property
+    def _dense_step(self) -> bool:
+        """The native step runs dense bf16 tiles (it loads on block weights only where the
+        block kernels do)."""
+        return self.native_step is not None and self.quant_kernel is None
+
+    @property
+    def native_step_max_rows(self) -> int:
+        """Most rows a native step runs (0: none): block weights' limit, or dense tiles'."""
+        if self.native_step is None:
+            return 0
+        return DENSE_STEP_MAX_ROWS if self._dense_step else NATIVE_STEP_MAX_ROWS
+
+    @property
     def _dense_tile_bytes(self) -> int:
         """The native step's packed copy of dense bf16 weights (the weights' size again)."""
-        if self.native_step is None or self.native_step_max_rows != DENSE_STEP_MAX_ROWS:
-            return 0
-        return dense_tile_bytes(self.model)
+        return dense_tile_bytes(self.model) if self._dense_step else 0
 
     @property
     def kv_block_bytes(self) -> int:

@@ -260,10 +260,7 @@ static inline __attribute__((always_inline)) int attend_range(
                  head_dim) * io_elem, head_dim, io_bf16);
     }
 #if defined(SCORE_FROM_BF16)
-    for (int64_t i = 0; i < count * head_dim; i += 32) {
-        const __m512 low = _mm512_loadu_ps(queries + i), high = _mm512_loadu_ps(queries + i + 16);
-        _mm512_storeu_si512(queries_bf16 + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-    }
+    round_to_bf16(queries, count * head_dim, queries_bf16);
 #endif
 
     float16_vector max_lanes[count];

@@ -25,6 +25,18 @@ static inline uint16_t float_to_bf16(float x) {
     return (uint16_t)(v.u >> 16);
 }
 
+#if defined(__AVX512BF16__)
+/* n floats rounded to bf16 (nearest even), 32 a vector instruction, the rest one by one. */
+static inline void round_to_bf16(const float *src, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 low = _mm512_loadu_ps(src + i), high = _mm512_loadu_ps(src + i + 16);
+        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+#endif
+
 static inline float fp16_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);

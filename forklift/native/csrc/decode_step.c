@@ -342,19 +342,15 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
                                           : (q_size > hidden ? q_size : hidden);
     const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 3 * inter) + widest);
+    /* A model's weights are all dense or all blocks; dense ones need the tiles. */
+    const int dense = m->head.dense;
+#if !defined(FORKLIFT_DENSE_TILES)
+    if (dense) return 2;
+#endif
     float *residual = malloc(sizeof(float) * floats);
     QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
     int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, widest, views);
-    /* Dense weights' bf16 inputs (a model's weights are all dense or all blocks). */
-    const int dense = m->head.dense;
-#if !defined(FORKLIFT_DENSE_TILES)
-    if (dense) {
-        free(residual);
-        free(views);
-        free(scratch);
-        return 2;
-    }
-#endif
+    /* Dense weights' inputs as bf16. */
     uint16_t *dense_x =
         dense ? malloc(sizeof(uint16_t) * (size_t)dense_scratch_elements(rows, widest)) : NULL;
     if (residual == NULL || views == NULL || scratch == NULL || (dense && dense_x == NULL)) {

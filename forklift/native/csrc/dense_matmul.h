@@ -31,7 +31,6 @@ static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
-
 /* Linux hands out AMX's tile data state only on request (arch_prctl, XFEATURE_XTILEDATA). */
 static int dense_tiles_granted(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -93,17 +92,7 @@ static inline __attribute__((always_inline)) void dense_pair(
 static inline void dense_round_rows(const float *x, int64_t rows, int64_t padded_rows,
                                     int64_t k, int64_t k_padded, uint16_t *xb) {
     memset(xb, 0, sizeof(uint16_t) * (size_t)(padded_rows * k_padded));
-    for (int64_t r = 0; r < rows; r++) {
-        const float *src = x + r * k;
-        uint16_t *dst = xb + r * k_padded;
-        int64_t i = 0;
-        for (; i + 32 <= k; i += 32) {
-            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
-                                                      _mm512_loadu_ps(src + i));
-            _mm512_storeu_si512(dst + i, (__m512i)pair);
-        }
-        for (; i < k; i++) dst[i] = float_to_bf16(src[i]);
-    }
+    for (int64_t r = 0; r < rows; r++) round_to_bf16(x + r * k, k, xb + r * k_padded);
 }
 
 /* out [rows, n] = x [rows, k] @ W.T for packed W (n, k its real sizes). `xb`: scratch of
