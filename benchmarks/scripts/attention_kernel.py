@@ -10,13 +10,13 @@ Run: .venv/bin/python benchmarks/scripts/attention_kernel.py REV [out_dir]
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
@@ -82,7 +82,6 @@ def main() -> None:
                          "speedup": best[revision] / best["this tree"]})  # fmt: skip
     report = {"cpu_flags": cpu_flags(), "baseline": revision, "layers": LAYERS,
               "depth": DEPTH, "rows": rows}  # fmt: skip
-    (out_dir / "attention-kernel.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Decode attention kernel: this tree against a baseline revision",
         "",
@@ -98,12 +97,10 @@ def main() -> None:
             for r in rows
         ),  # fmt: skip
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/attention_kernel.py {revision} "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "attention-kernel.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(
+        out_dir, "attention-kernel", report, lines, command_line(__file__, revision, out_dir)
+    )
 
 
 if __name__ == "__main__":

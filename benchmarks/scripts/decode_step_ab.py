@@ -9,13 +9,13 @@ Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.decode import decode_step_budget, prefill_steps, time_pure_decode
@@ -62,7 +62,6 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": CONTEXT,
               "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Native decode step: this tree against a baseline revision",
         "",
@@ -78,12 +77,9 @@ def main() -> None:
             for r in rows
         ),
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/decode_step_ab.py {revision} "
-        f"{out_dir.relative_to(ROOT)}" + (f" {stem}`" if stem != "decode-step-ab" else "`"),
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    extra = () if stem == "decode-step-ab" else (stem,)
+    write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, *extra))
 
 
 if __name__ == "__main__":

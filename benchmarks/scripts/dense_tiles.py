@@ -10,7 +10,6 @@ Run: .venv/bin/python benchmarks/scripts/dense_tiles.py [out_dir]
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
@@ -74,7 +74,6 @@ def main() -> None:
         results.append({"rows": rows, "ms": ms})
         print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "rounds": ROUNDS, "rows": results}
-    (out_dir / "dense-tiles.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Dense bf16 matmuls: AMX tiles against oneDNN",
         "",
@@ -95,12 +94,8 @@ def main() -> None:
             for r in results
         ),
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/dense_tiles.py "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "dense-tiles.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "dense-tiles", report, lines, command_line(__file__, out_dir))
 
 
 if __name__ == "__main__":

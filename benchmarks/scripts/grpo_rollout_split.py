@@ -10,12 +10,12 @@ Run: .venv/bin/python benchmarks/scripts/grpo_rollout_split.py [out_dir]
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift import LLM
@@ -62,7 +62,6 @@ def main() -> None:
     split = {part: statistics.median(t) for part, t in parts.items()}
     split["rest (prefill, sampling, host)"] = median["native step"] - sum(split.values())
     report = {"cpu_flags": cpu_flags(), "rounds": ROUNDS, "rollout_s": median, "split_s": split}
-    (out_dir / "grpo-rollout-split.json").write_text(json.dumps(report, indent=2) + "\n")
     speedup = median["PyTorch layers"] / median["native step"]
     lines = [
         "# GRPO rollouts: the native step on AMX tiles against the PyTorch layers",
@@ -82,12 +81,8 @@ def main() -> None:
         "|---|---:|",
         *(f"| {part} | {s:.2f} |" for part, s in split.items()),
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/grpo_rollout_split.py "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "grpo-rollout-split.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "grpo-rollout-split", report, lines, command_line(__file__, out_dir))
 
 
 if __name__ == "__main__":

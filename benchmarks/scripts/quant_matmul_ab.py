@@ -9,7 +9,6 @@ Run: .venv/bin/python benchmarks/scripts/quant_matmul_ab.py REV [out_dir]
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
@@ -63,7 +63,6 @@ def main() -> None:
             print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "baseline": revision, "shape": [VOCAB, HIDDEN],
               "rounds": ROUNDS, "calls": CALLS, "rows": results}  # fmt: skip
-    (out_dir / "quant-matmul-ab.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Block matmul: this tree against a baseline revision",
         "",
@@ -79,12 +78,10 @@ def main() -> None:
             for r in results
         ),
         "",
-        f"Command: `.venv/bin/python benchmarks/scripts/quant_matmul_ab.py {revision} "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "quant-matmul-ab.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(
+        out_dir, "quant-matmul-ab", report, lines, command_line(__file__, revision, out_dir)
+    )
 
 
 if __name__ == "__main__":

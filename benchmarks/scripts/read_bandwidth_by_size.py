@@ -7,16 +7,16 @@ Run: .venv/bin/python benchmarks/scripts/read_bandwidth_by_size.py [out_dir]
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
+from results import command_line, write_results
+from revision_build import ROOT
 
 from forklift.bench.decode import read_bandwidth
 from forklift.bench.report import cpu_flags
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZES_MB = (32, 64, 80, 96, 104, 112, 120, 128, 192, 256, 512)
 REPEATS = 30
 
@@ -27,7 +27,6 @@ def main() -> None:
     rows = [{"megabytes": mb, "gb_per_s": read_bandwidth(mb * 2**20, REPEATS) / 1e9}
             for mb in SIZES_MB]  # fmt: skip
     report = {"cpu_flags": cpu_flags(), "threads": 2, "repeats": REPEATS, "rows": rows}
-    (out_dir / "read-bandwidth.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Read bandwidth by buffer size",
         "",
@@ -37,12 +36,8 @@ def main() -> None:
         "|---:|---:|",
         *(f"| {r['megabytes']} | {r['gb_per_s']:.1f} |" for r in rows),
         "",
-        "Command: `.venv/bin/python benchmarks/scripts/read_bandwidth_by_size.py "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "read-bandwidth.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "read-bandwidth", report, lines, command_line(__file__, out_dir))
 
 
 if __name__ == "__main__":

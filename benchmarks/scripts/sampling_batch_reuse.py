@@ -8,13 +8,14 @@ Run: .venv/bin/python benchmarks/scripts/sampling_batch_reuse.py [out_dir]
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+from results import command_line, write_results
+from revision_build import ROOT
 
 from forklift.bench.decode import decode_step_budget, prefill_steps, time_pure_decode
 from forklift.bench.report import cpu_flags
@@ -24,7 +25,6 @@ from forklift.llm import LLM
 from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.metadata import SamplingBatch
 
-ROOT = Path(__file__).resolve().parents[2]
 CONTEXT, STEPS, ROUNDS = 564, 8, 12
 BATCHES = (1, 8)
 
@@ -60,7 +60,6 @@ def main() -> None:
         print(rows[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "context": CONTEXT, "steps": STEPS, "rounds": ROUNDS,
               "native_step": runner.native_step is not None, "rows": rows}  # fmt: skip
-    (out_dir / "sampling-batch-reuse.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Sampling batch reused between decode steps, against built anew each step",
         "",
@@ -75,12 +74,8 @@ def main() -> None:
             for r in rows
         ),
         "",
-        "Command: `.venv/bin/python benchmarks/scripts/sampling_batch_reuse.py "
-        f"{out_dir.relative_to(ROOT)}`",
-        f"CPU flags: {' '.join(report['cpu_flags'])}",
     ]
-    (out_dir / "sampling-batch-reuse.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "sampling-batch-reuse", report, lines, command_line(__file__, out_dir))
 
 
 if __name__ == "__main__":
