@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
-from forklift.bench.decode import linear_weights
+from forklift.bench.decode import DecodeSettings, linear_weights, render_markdown, run_decode_bench
 from forklift.bench.report import SIMULATED_FLAG_PREFIX
 from forklift.cli import main
 from forklift.cpu import simulated_cpu_kind
@@ -69,3 +70,45 @@ def test_bad_lists_on_the_command_line_are_clear_errors(capsys):
     assert "--batch-sizes must be comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "serve", "--concurrency", "-1"]) == 2
     assert "--concurrency must be positive" in capsys.readouterr().err
+
+
+def test_rounds_against_llama_bench_alternate_and_take_the_median_ratio(tmp_path):
+    # A stand-in llama-bench: it logs each call and reports 50, 100, 200 tok/s in turn.
+    calls = tmp_path / "calls"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {calls}\n'
+        f"n=$(wc -l < {calls})\n"
+        "rate=$((50 * (1 << (n - 1))))\n"
+        'echo "[{\\"avg_ts\\": $rate, \\"stddev_ts\\": 1.5}]"\n'
+    )
+    fake.chmod(0o755)
+    settings = DecodeSettings.quick(
+        forms=("int4",), batch_sizes=(1,), llama_bench=str(fake), peer_rounds=3
+    )
+    peer = run_decode_bench(settings)["llama_bench"]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 3
+    assert "-d 64" in lines[0] and "-fa 0" in lines[0]
+    assert [r["tokens_per_s"] for r in peer["rounds"]] == [50, 100, 200]
+    for r in peer["rounds"]:
+        assert r["ratio"] == pytest.approx(r["forklift_tokens_per_s"] / r["tokens_per_s"])
+    assert peer["ratio"] == pytest.approx(statistics.median(r["ratio"] for r in peer["rounds"]))
+    assert peer["tokens_per_s"] == 100 and peer["forklift_form"] == "int4"
+    assert peer["command"].startswith("-m SmolLM2")  # the file's name, not its path
+    markdown = render_markdown({**_report_shell(settings), "llama_bench": peer})
+    assert "| 3 |" in markdown and f"**{peer['ratio']:.2f}x** llama-bench" in markdown
+
+
+def _report_shell(settings: DecodeSettings) -> dict:
+    return {"command": "forklift bench decode", "model": "m", "threads": 2, "cpu_flags": [],
+            "settings": {"context": settings.context, "timed_steps": settings.timed_steps},
+            "read_bandwidth_bytes_per_s": 1e9, "points": [], "batch_cost": {}}  # fmt: skip
+
+
+def test_peer_rounds_must_be_positive(capsys):
+    with pytest.raises(ValueError, match="peer_rounds"):
+        DecodeSettings(peer_rounds=0)
+    assert main(["bench", "decode", "--peer-rounds", "0"]) == 2
+    assert "--peer-rounds must be positive" in capsys.readouterr().err

@@ -264,6 +264,12 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it side by side"
     )
+    parser.add_argument(
+        "--peer-rounds",
+        type=int,
+        default=None,
+        help="rounds alternating forklift's single stream and llama-bench (default 3)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
 
 
@@ -282,9 +288,11 @@ def decode_command(args: argparse.Namespace) -> int:
         overrides["batch_sizes"] = positive_ints(args.batch_sizes, "--batch-sizes")
     if args.context is not None:
         overrides["context"] = positive_ints(str(args.context), "--context")[0]
+    if args.peer_rounds is not None:
+        overrides["peer_rounds"] = positive_ints(str(args.peer_rounds), "--peer-rounds")[0]
     report = run_decode_bench((DecodeSettings.quick if args.quick else DecodeSettings)(**overrides))
     command = _command("decode", args.quick)
-    command += _given(args, "model", "forms", "batch_sizes", "context")
+    command += _given(args, "model", "forms", "batch_sizes", "context", "peer_rounds")
     # The binary's path is this machine's; the report names the program only.
     command += ["--llama-bench", "llama-bench"] if args.llama_bench else []
     _publish(report, command, args.out_dir, write_report, render_markdown)
