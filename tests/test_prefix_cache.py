@@ -134,3 +134,19 @@ def test_share_prefix_refcounts_and_errors():
     assert kv.num_free_blocks == 15 - 2
     kv.free("sample")
     assert kv.num_free_blocks == 15
+
+
+def test_copy_tail_block_gives_a_fresh_block_or_changes_nothing():
+    kv = KVCacheManager(num_blocks=6, block_size=4)  # 5 usable blocks
+    run_request(kv, "leader", list(range(1, 11)))  # 3 blocks
+    kv.share_prefix("leader", "a", 2)
+    copies = kv.copy_tail_block("leader", "a", 2)
+    assert copies == [(kv.block_table("leader")[2], kv.block_table("a")[2])]
+    assert kv.block_table("a")[:2] == kv.block_table("leader")[:2]
+    kv.share_prefix("leader", "b", 2)
+    assert kv.copy_tail_block("leader", "b", 2) is not None  # the last free block
+    kv.share_prefix("leader", "c", 2)
+    free = kv.num_free_blocks
+    assert free == 0 and kv.copy_tail_block("leader", "c", 2) is None
+    assert len(kv.block_table("c")) == 2
+    assert kv.copy_tail_block("leader", "a", 2) is None  # "a" already holds block 2

@@ -111,6 +111,29 @@ def test_n_samples_share_prompt_blocks_and_match_their_solo_runs(tiny_dir):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
 
 
+def test_n_samples_decode_together_from_the_step_after_the_prompt(tiny_dir):
+    prompt = tokens(14, seed=4)  # the samples copy the last block's 2 prompt tokens
+    params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True)
+    llm = make_llm(tiny_dir)
+    (output,) = llm.generate(prompt, params, use_tqdm=False)
+    steps = [(s.num_batched_tokens, s.num_sampled) for s in llm.llm_engine.step_log]
+    # The prompt once; then the leader's decode beside each sample's last prompt token.
+    assert steps == [(14, 1), (8, 8), (8, 8), (7, 7)]
+    assert all(len(c.token_ids) == 3 for c in output.outputs)
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_usable_blocks
+
+
+def test_samples_waiting_for_a_seat_keep_their_copied_block(tiny_dir):
+    # Four seats for eight samples: four take their copy of the last prompt block in the
+    # step after the prompt but run only when others finish, and must find it intact then.
+    prompt = tokens(14, seed=6)
+    params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    got = make_llm(tiny_dir, max_num_seqs=4).generate(prompt, params, use_tqdm=False)[0]
+    solo_params = [params.clone(n=1, seed=sample_seed(5, i)) for i in range(8)]
+    solo = make_llm(tiny_dir).generate([prompt] * 8, solo_params, use_tqdm=False)
+    assert [c.token_ids for c in got.outputs] == token_ids(solo)
+
+
 def test_n_samples_survive_preemption_and_abort(tiny_dir):
     prompt = tokens(30, seed=5)
     params = SamplingParams(n=6, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)

@@ -232,3 +232,72 @@ def test_a_pace_without_a_bound_paces_within_the_token_budget():
         for _ in range(3)
     ]
     assert chunks == [[25], [19], [16]]
+
+
+def make_group(rid: str, prompt_len: int, n: int) -> list[Request]:
+    """A request's n samples as the engine links them: the first computes the prompt."""
+    samples = [make_request(f"{rid}#{i}", prompt_len) for i in range(n)]
+    prompt = samples[0].prompt_token_ids
+    for sample in samples:
+        sample.prompt_token_ids = prompt
+    leader, *followers = samples
+    leader.followers = followers
+    for follower in followers:
+        follower.prefix_leader = leader
+    return samples
+
+
+def test_samples_copy_the_leaders_last_prompt_block_and_compute_one_token():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    group = make_group("g", 10, 3)  # 2 full blocks, then positions 8 and 9
+    for request in group:
+        sched.add_request(request)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("g#0", 10)]
+    assert out.block_copies == []
+    out, _ = run_step(sched)
+    # The leader decodes; each sample computes only the last prompt token, and samples.
+    assert [(s.request_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        ("g#0", 10, 1, True),
+        ("g#1", 9, 1, True),
+        ("g#2", 9, 1, True),
+    ]
+    leader_table = kv.block_table("g#0")
+    tails = [kv.block_table(f"g#{i}")[2] for i in (1, 2)]
+    assert out.block_copies == [(leader_table[2], tail) for tail in tails]
+    assert len(set(tails)) == 2 and leader_table[2] not in tails
+    for i in (1, 2):
+        assert kv.block_table(f"g#{i}")[:2] == leader_table[:2]
+    out, _ = run_step(sched)
+    assert out.block_copies == []  # handed over once
+    assert [s.num_new_tokens for s in out.scheduled] == [1, 1, 1]
+
+
+def test_a_last_block_holding_only_the_last_prompt_token_is_not_copied():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    for request in make_group("g", 9, 2):  # 2 full blocks, then position 8
+        sched.add_request(request)
+    run_step(sched)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        ("g#0", 9, 1),
+        ("g#1", 8, 1),
+    ]
+    assert out.block_copies == []
+
+
+def test_samples_of_a_hybrid_fork_at_the_full_blocks_without_copies():
+    from forklift.core.state_pool import StatePool
+
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, state_pool=StatePool(8))
+    for request in make_group("g", 10, 2):
+        sched.add_request(request)
+    steps = [run_step(sched)[0] for _ in range(3)]
+    assert all(out.block_copies == [] for out in steps)
+    # The sample starts from the leader's state at the end of the full blocks.
+    assert ("g#1", 8, 2) in [
+        (s.request_id, s.start, s.num_new_tokens) for out in steps for s in out.scheduled
+    ]

@@ -312,6 +312,26 @@ class KVCacheManager:
                     self.pool.share(block_id)
         self._tables[target_id] = shared
 
+    def copy_tail_block(
+        self, source_id: str, target_id: str, index: int
+    ) -> list[tuple[int, int]] | None:
+        """Give `target`, whose tables end at block `index`, a fresh block there in each group
+        and return the (source's block, fresh block) pairs whose contents the runner must
+        copy; None (nothing changes) when blocks ran out or `source` holds no such block."""
+        sources = self._tables.get(source_id)
+        targets = self._tables.get(target_id)
+        if sources is None or targets is None or any(len(t) != index for t in targets):
+            return None
+        tails = [table[index] if len(table) > index else NULL_BLOCK_ID for table in sources]
+        if NULL_BLOCK_ID in tails or self.pool.num_free_blocks < len(tails):
+            return None
+        copies = []
+        for table, tail in zip(targets, tails, strict=True):
+            (fresh,) = self.pool.allocate(1)
+            table.append(fresh)
+            copies.append((tail, fresh))
+        return copies
+
     def release_tail(self, request_id: str, num_tokens: int) -> None:
         """Return the blocks past the first `num_tokens` tokens' to the pool (they held only
         rejected drafts, so none of them was registered in the prefix cache)."""

@@ -56,6 +56,11 @@ class Scheduler:
         self.prefill_pace_steps = prefill_pace_steps
         self.state_pool = state_pool
         self._pending_state_copies: list[tuple[int, int]] = []
+        self._pending_block_copies: list[tuple[int, int]] = []
+        # A sample of n > 1 takes a copy of its leader's partly filled last prompt block and
+        # computes only the last prompt token. Off where another cache indexed by the same
+        # block ids (the MTP layer's) would miss the copy.
+        self.copy_prompt_tails = True
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._prefill_budget: int | None = None
@@ -98,6 +103,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.scheduled and self._pending_state_copies:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
+        if out.scheduled and self._pending_block_copies:
+            out.block_copies, self._pending_block_copies = self._pending_block_copies, []
         if out.scheduled and self.lora_slots is not None:
             # Kept for a step that runs: an empty step never reaches the runner.
             out.lora_loads = self.lora_slots.take_loads()
@@ -371,11 +378,13 @@ class Scheduler:
         return leader.num_computed_tokens >= leader.num_prompt_tokens
 
     def _release_followers(self, leader: Request) -> None:
-        """The leader's prompt is computed: its samples share its full prompt blocks (the
-        partly filled last block is recomputed by each, so no block is ever written twice).
-        A hybrid leader releases them at the end of those blocks, and each sample that gets a
-        state slot starts from a copy of the leader's state there; one that gets none computes
-        the prompt itself."""
+        """The leader's prompt is computed: its samples share its full prompt blocks, and
+        each takes a copy of the partly filled last one and computes only the last prompt
+        token (its own logits), so a group of samples decodes from its next step on: no block
+        is ever written by two sequences. Without a free block for the copy a sample
+        recomputes that last block's tokens instead. A hybrid leader releases them at the end
+        of the full blocks, and each sample that gets a state slot starts from a copy of the
+        leader's state there; one that gets none computes the prompt itself."""
         num_shared = (leader.num_prompt_tokens - 1) // self.kv_manager.block_size
         for follower in leader.followers:
             follower.prefix_leader = None
@@ -390,7 +399,21 @@ class Scheduler:
                 continue
             self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared)
             follower.num_computed_tokens = num_shared * self.kv_manager.block_size
+            if self._copies_prompt_tail(leader, num_shared):
+                copies = self.kv_manager.copy_tail_block(
+                    leader.request_id, follower.request_id, num_shared
+                )
+                if copies is not None:
+                    self._pending_block_copies += copies
+                    follower.num_computed_tokens = leader.num_prompt_tokens - 1
         leader.followers = []
+
+    def _copies_prompt_tail(self, leader: Request, num_shared: int) -> bool:
+        """Whether a sample copies the leader's last prompt block: not on a hybrid (its state
+        forks at the full blocks), nor where that block holds only the last prompt token
+        (computing it is all the sample would save)."""
+        tail_tokens = leader.num_prompt_tokens - num_shared * self.kv_manager.block_size
+        return self.copy_prompt_tails and self.state_pool is None and tail_tokens > 1
 
     def _fork_state(self, leader: Request, follower: Request) -> bool:
         assert self.state_pool is not None

@@ -89,6 +89,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # (source, target) state slots the runner copies before this step's forward.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (source, target) KV blocks the runner copies before this step's forward: the partly
+    # filled last prompt block of a sample of n > 1, copied from its leader's.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # (slot, adapter id) the runner loads before this step's forward.
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
 

@@ -255,6 +255,8 @@ class LLMEngine:
             config.resolve_prefill_pace_steps(),
             lora_slots,
         )
+        # The MTP layer's cache is indexed by the same block ids and would miss the copies.
+        self.scheduler.copy_prompt_tails = self.mtp is None
         self.loras: LoRARegistry | None = None
         if self.runner.lora is not None and lora_slots is not None:
             self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
@@ -598,7 +600,9 @@ class LLMEngine:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched.scheduled, sched.state_copies, sched.lora_loads)
+            result = self.runner.execute(
+                sched.scheduled, sched.state_copies, sched.lora_loads, sched.block_copies
+            )
         except RuntimeError as exc:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why

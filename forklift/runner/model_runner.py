@@ -84,6 +84,9 @@ class StepInputs:
     # Hybrid models: [n, 2] (source, target) state slots to copy before the step (a sample
     # of n > 1 forks its prompt's state).
     state_copies: torch.Tensor | None = None
+    # [n, 2] (source, target) KV blocks to copy before the step, every layer's (a sample of
+    # n > 1 takes its leader's partly filled last prompt block).
+    block_copies: torch.Tensor | None = None
     # Prompt logprobs: flat rows scored, the prompt token each predicts, how many top tokens.
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
@@ -526,13 +529,14 @@ class ModelRunner:
         scheduled: list[ScheduledChunk],
         state_copies: Sequence[tuple[int, int]] = (),
         lora_loads: Sequence[tuple[int, int]] = (),
+        block_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
         rows, chunk_of = expand_draft_rows(scheduled)
         if self.lora is not None:
             self.lora.load(lora_loads)
             self.lora.begin_step(rows)
         try:
-            return self._execute(rows, chunk_of, state_copies)
+            return self._execute(rows, chunk_of, state_copies, block_copies)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -542,13 +546,18 @@ class ModelRunner:
         rows: list[ScheduledChunk],
         chunk_of: list[int],
         state_copies: Sequence[tuple[int, int]],
+        block_copies: Sequence[tuple[int, int]] = (),
     ) -> StepResult:
         native = self._runs_native_step(rows)
         key = None if native else self._capture_key(rows)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
         inputs = self.prepare_inputs(
-            rows, pad_to=pad_to, kv_width=kv_width, state_copies=state_copies
+            rows,
+            pad_to=pad_to,
+            kv_width=kv_width,
+            state_copies=state_copies,
+            block_copies=block_copies,
         )
         sampled_items = [chunk_of[i] for i, row in enumerate(rows) if row.samples]
         logits, scores = self.forward_step(inputs, key, native)
@@ -574,6 +583,11 @@ class ModelRunner:
                 self._kv_cache_tensor.index_fill_(3, inputs.fresh_blocks, 0)
             if inputs.state_copies is not None and inputs.state_copies.numel():
                 self._copy_states(inputs.state_copies)
+            if inputs.block_copies is not None and self._kv_cache_tensor is not None:
+                cache = self._kv_cache_tensor
+                # Block by block: index_copy_ along the block dimension is ten times slower.
+                for source, target in inputs.block_copies.tolist():
+                    cache[:, :, :, target].copy_(cache[:, :, :, source])
             if native:
                 return self._native_forward(inputs), None
             if key is not None and self.decode_capture is not None:
@@ -668,6 +682,7 @@ class ModelRunner:
         pad_to: int | None = None,
         kv_width: int = 0,
         state_copies: Sequence[tuple[int, int]] = (),
+        block_copies: Sequence[tuple[int, int]] = (),
     ) -> StepInputs:
         """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
         block (they sample nothing); `kv_width` widens the key tensors to a fixed size."""
@@ -693,6 +708,10 @@ class ModelRunner:
             starts[:count], query_lens[:count], slots, reads, continues
         )
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
+        block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
+        if block_pairs.size and self._unwritten_blocks.size:
+            # A copy fills its target whole: never zero it over the copy, now or later.
+            self._unwritten_blocks[block_pairs[:, 1]] = False
         ends = np.cumsum(query_lens)
         sample_index = (ends - 1)[sampling]
         inputs = StepInputs(
@@ -704,6 +723,9 @@ class ModelRunner:
                 self.device
             ),
             state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
+            block_copies=(
+                torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
+            ),
         )
         asked = prompt_rows_of(scheduled, ends - query_lens)
         if asked is not None:
