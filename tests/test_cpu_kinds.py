@@ -37,7 +37,8 @@ def test_the_avx2_kind_drops_every_flag_beyond_avx2(monkeypatch):
 
 def test_the_native_kind_follows_the_host(monkeypatch):
     monkeypatch.delenv(CPU_KIND_ENV, raising=False)
-    assert simulated_cpu_kind() is None and native_arch_flags() == ("-march=native",)
+    wide = ("-mprefer-vector-width=512",) if "avx512f" in host_cpu_flags() else ()
+    assert simulated_cpu_kind() is None and native_arch_flags() == ("-march=native", *wide)
     fast = bool(host_cpu_flags() & {"amx_bf16", "avx512_bf16"})
     assert cpu_has_fast_bf16() == fast
     want = torch.bfloat16 if fast else torch.float32
