@@ -75,7 +75,7 @@ def native_arch_flags() -> tuple[str, ...]:
     """The compiler's target: this CPU, or the x86-64 level of a simulated kind. On an
     AVX-512 CPU the compiler's own loops (not the intrinsics) use 512-bit vectors too: GCC's
     tuning for recent ones stops them at 256 bits, and 512 ran the native decode step
-    1.02-1.07x and the sampler 1.2x faster on Sapphire Rapids (vector-width-ab.md)."""
+    1.02-1.05x and the sampler 1.2x faster on Sapphire Rapids (vector-width-ab.md)."""
     if simulated_cpu_kind() == "avx2":
         return ("-march=x86-64-v3", "-mtune=native")
     if "avx512f" in cpu_flags():

@@ -112,3 +112,10 @@ def test_peer_rounds_must_be_positive(capsys):
         DecodeSettings(peer_rounds=0)
     assert main(["bench", "decode", "--peer-rounds", "0"]) == 2
     assert "--peer-rounds must be positive" in capsys.readouterr().err
+
+
+def test_a_report_from_before_the_rounds_still_renders():
+    peer = {"command": "-m m.gguf", "tokens_per_s": 100.0, "stddev": 2.0,
+            "forklift_form": "int4", "ratio": 1.25}  # fmt: skip
+    markdown = render_markdown({**_report_shell(DecodeSettings.quick()), "llama_bench": peer})
+    assert "**100.0 tok/s** (± 2.0)" in markdown and "**1.25x** llama-bench" in markdown

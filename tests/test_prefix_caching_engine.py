@@ -123,9 +123,26 @@ def test_n_samples_decode_together_from_the_step_after_the_prompt(tiny_dir):
     assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_usable_blocks
 
 
-def test_samples_waiting_for_a_seat_keep_their_copied_block(tiny_dir):
-    # Four seats for eight samples: four take their copy of the last prompt block in the
-    # step after the prompt but run only when others finish, and must find it intact then.
+def test_a_copied_block_is_never_zeroed_over(tiny_dir):
+    llm = make_llm(tiny_dir)
+    engine = llm.llm_engine
+    runner = engine.runner
+    engine.add_request("r", tokens(6, seed=8), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the prompt: blocks 1 and 2 now written
+    scheduled = engine.scheduler.schedule().scheduled
+    table = list(scheduled[0].block_table)
+    fresh = next(b for b in range(1, 64) if b not in table)
+    scheduled[0].block_table = [*table, fresh]  # as a sample that took a copy reads it
+    inputs = runner.prepare_inputs(scheduled, block_copies=[(table[0], fresh)])
+    assert fresh not in inputs.fresh_blocks.tolist()
+    assert inputs.block_copies.tolist() == [[table[0], fresh]]
+    again = runner.prepare_inputs(scheduled)
+    assert fresh not in again.fresh_blocks.tolist()
+
+
+def test_samples_waiting_for_a_seat_match_their_solo_runs(tiny_dir):
+    # Four seats for eight samples: three copy the last prompt block and start at once, the
+    # others wait and compute it themselves.
     prompt = tokens(14, seed=6)
     params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     got = make_llm(tiny_dir, max_num_seqs=4).generate(prompt, params, use_tqdm=False)[0]

@@ -301,3 +301,38 @@ def test_samples_of_a_hybrid_fork_at_the_full_blocks_without_copies():
     assert ("g#1", 8, 2) in [
         (s.request_id, s.start, s.num_new_tokens) for out in steps for s in out.scheduled
     ]
+
+
+def test_a_sample_finished_before_its_copy_runs_drops_the_copy():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    group = make_group("g", 10, 3)
+    for request in group:
+        sched.add_request(request)
+    run_step(sched)  # the prompt; both samples' copies are queued
+    tail = kv.block_table("g#2")[2]
+    sched.finish(group[1], FinishReason.ABORT)  # its target block goes back to the pool
+    out, _ = run_step(sched)
+    assert out.block_copies == [(kv.block_table("g#0")[2], tail)]
+
+
+def test_only_samples_with_a_seat_in_the_next_step_take_a_copy():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    for request in make_group("g", 10, 3):
+        sched.add_request(request)
+    run_step(sched)
+    out, _ = run_step(sched)
+    # One seat beside the leader: the first sample copies, the other waits holding only the
+    # shared blocks, and computes the last block's tokens itself when it gets a seat.
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        ("g#0", 10, 1),
+        ("g#1", 9, 1),
+    ]
+    assert len(out.block_copies) == 1 and len(kv.block_table("g#2")) == 2
+    sched.finish(sched.requests["g#1"], FinishReason.ABORT)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        ("g#0", 11, 1),
+        ("g#2", 8, 2),
+    ]

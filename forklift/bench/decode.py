@@ -404,7 +404,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"- {form}: " + ", ".join(f"batch {b}: **{c:.2f}x**" for b, c in costs.items())
         )
     peer = report.get("llama_bench")
-    if peer:
+    if peer and "rounds" not in peer:  # a report from before the rounds: one pair
+        lines += [
+            "",
+            f"llama.cpp, same file, same run: `llama-bench {peer['command']}`: "
+            f"**{peer['tokens_per_s']:.1f} tok/s** (± {peer['stddev']:.1f}). forklift "
+            f"{peer['forklift_form']} at batch 1: **{peer['ratio']:.2f}x** llama-bench.",
+        ]
+    elif peer:
         lines += [
             "",
             f"llama.cpp, same file, same run: `llama-bench {peer['command']}`, in "

@@ -56,7 +56,8 @@ class Scheduler:
         self.prefill_pace_steps = prefill_pace_steps
         self.state_pool = state_pool
         self._pending_state_copies: list[tuple[int, int]] = []
-        self._pending_block_copies: list[tuple[int, int]] = []
+        # (sample, source block, target block) copies for the next step that runs.
+        self._pending_block_copies: list[tuple[str, int, int]] = []
         # A sample of n > 1 takes a copy of its leader's partly filled last prompt block and
         # computes only the last prompt token. Off where another cache indexed by the same
         # block ids (the MTP layer's) would miss the copy.
@@ -104,7 +105,8 @@ class Scheduler:
         if out.scheduled and self._pending_state_copies:
             out.state_copies, self._pending_state_copies = self._pending_state_copies, []
         if out.scheduled and self._pending_block_copies:
-            out.block_copies, self._pending_block_copies = self._pending_block_copies, []
+            pending, self._pending_block_copies = self._pending_block_copies, []
+            out.block_copies = [(source, target) for _, source, target in pending]
         if out.scheduled and self.lora_slots is not None:
             # Kept for a step that runs: an empty step never reaches the runner.
             out.lora_loads = self.lora_slots.take_loads()
@@ -309,7 +311,15 @@ class Scheduler:
             tuple(lent),
         )  # fmt: skip
 
+    def _drop_block_copies(self, request: Request) -> None:
+        """A sample's copy not made yet is dropped with its blocks: its target may go to
+        another request, and after a sleep its source holds nothing."""
+        self._pending_block_copies = [
+            copy for copy in self._pending_block_copies if copy[0] != request.request_id
+        ]
+
     def _preempt(self, request: Request) -> None:
+        self._drop_block_copies(request)
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
@@ -386,6 +396,9 @@ class Scheduler:
         of the full blocks, and each sample that gets a state slot starts from a copy of the
         leader's state there; one that gets none computes the prompt itself."""
         num_shared = (leader.num_prompt_tokens - 1) // self.kv_manager.block_size
+        # Only samples that can start in the next step get a block of their own: one that
+        # waits for a seat would hold it where preemption cannot take it back.
+        seats = max(self.max_num_seqs - len(self.running), 0)
         for follower in leader.followers:
             follower.prefix_leader = None
             untouched = follower.num_computed_tokens == 0 and not self.kv_manager.block_table(
@@ -399,12 +412,15 @@ class Scheduler:
                 continue
             self.kv_manager.share_prefix(leader.request_id, follower.request_id, num_shared)
             follower.num_computed_tokens = num_shared * self.kv_manager.block_size
-            if self._copies_prompt_tail(leader, num_shared):
+            if seats > 0 and self._copies_prompt_tail(leader, num_shared):
                 copies = self.kv_manager.copy_tail_block(
                     leader.request_id, follower.request_id, num_shared
                 )
                 if copies is not None:
-                    self._pending_block_copies += copies
+                    seats -= 1
+                    self._pending_block_copies += [
+                        (follower.request_id, source, target) for source, target in copies
+                    ]
                     follower.num_computed_tokens = leader.num_prompt_tokens - 1
         leader.followers = []
 
@@ -434,6 +450,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self._drop_block_copies(request)
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)

@@ -77,12 +77,14 @@ static inline __attribute__((always_inline)) void dense_pair(
     }
     for (int64_t t = 0; t < k_tiles; t++) {
         if (fetch) {
-            /* Past the pair's tiles it fetches the next pair's (a prefetch never faults). */
-            const char *a = (const char *)(first + (t + DENSE_PREFETCH_TILES) * 512);
-            const char *b = (const char *)(second + (t + DENSE_PREFETCH_TILES) * 512);
-            for (int line = 0; line < 1024; line += 64) {
-                __builtin_prefetch(a + line, 0, 2);
-                __builtin_prefetch(b + line, 0, 2);
+            /* Near a block's end the addresses run on into the tiles after it (the second
+             * block's, the next pair's, or past the buffer: a prefetch never faults, and the
+             * addresses are formed as integers, not as pointers past the array). */
+            const uintptr_t ahead = (uintptr_t)(t + DENSE_PREFETCH_TILES) * 1024;
+            const uintptr_t a = (uintptr_t)first + ahead, b = (uintptr_t)second + ahead;
+            for (uintptr_t line = 0; line < 1024; line += 64) {
+                __builtin_prefetch((const void *)(a + line), 0, 2);
+                __builtin_prefetch((const void *)(b + line), 0, 2);
             }
         }
         _tile_loadd(6, first + t * 512, 64);
