@@ -3,6 +3,7 @@
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.request import FinishReason, Request, RequestStatus
 from forklift.core.scheduler import Scheduler
+from forklift.core.state_pool import StatePool
 from forklift.sampling_params import SamplingParams
 
 
@@ -247,12 +248,20 @@ def make_group(rid: str, prompt_len: int, n: int) -> list[Request]:
     return samples
 
 
-def test_samples_copy_the_leaders_last_prompt_block_and_compute_one_token():
+def scheduled_group(
+    prompt_len: int, n: int, max_num_seqs: int = 8, state_pool: StatePool | None = None
+) -> tuple[KVCacheManager, Scheduler, list[Request]]:
+    """A scheduler (blocks of 4) holding one group of n samples, nothing run yet."""
     kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
-    group = make_group("g", 10, 3)  # 2 full blocks, then positions 8 and 9
+    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens=64, state_pool=state_pool)
+    group = make_group("g", prompt_len, n)
     for request in group:
         sched.add_request(request)
+    return kv, sched, group
+
+
+def test_samples_copy_the_leaders_last_prompt_block_and_compute_one_token():
+    kv, sched, _ = scheduled_group(10, 3)  # 2 full blocks, then positions 8 and 9
     out, _ = run_step(sched)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("g#0", 10)]
     assert out.block_copies == []
@@ -275,10 +284,7 @@ def test_samples_copy_the_leaders_last_prompt_block_and_compute_one_token():
 
 
 def test_a_last_block_holding_only_the_last_prompt_token_is_not_copied():
-    kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
-    for request in make_group("g", 9, 2):  # 2 full blocks, then position 8
-        sched.add_request(request)
+    _, sched, _ = scheduled_group(9, 2)  # 2 full blocks, then position 8
     run_step(sched)
     out, _ = run_step(sched)
     assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
@@ -289,12 +295,7 @@ def test_a_last_block_holding_only_the_last_prompt_token_is_not_copied():
 
 
 def test_samples_of_a_hybrid_fork_at_the_full_blocks_without_copies():
-    from forklift.core.state_pool import StatePool
-
-    kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, state_pool=StatePool(8))
-    for request in make_group("g", 10, 2):
-        sched.add_request(request)
+    _, sched, _ = scheduled_group(10, 2, state_pool=StatePool(8))
     steps = [run_step(sched)[0] for _ in range(3)]
     assert all(out.block_copies == [] for out in steps)
     # The sample starts from the leader's state at the end of the full blocks.
@@ -304,11 +305,7 @@ def test_samples_of_a_hybrid_fork_at_the_full_blocks_without_copies():
 
 
 def test_a_sample_finished_before_its_copy_runs_drops_the_copy():
-    kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
-    group = make_group("g", 10, 3)
-    for request in group:
-        sched.add_request(request)
+    kv, sched, group = scheduled_group(10, 3)
     run_step(sched)  # the prompt; both samples' copies are queued
     tail = kv.block_table("g#2")[2]
     sched.finish(group[1], FinishReason.ABORT)  # its target block goes back to the pool
@@ -317,10 +314,7 @@ def test_a_sample_finished_before_its_copy_runs_drops_the_copy():
 
 
 def test_only_samples_with_a_seat_in_the_next_step_take_a_copy():
-    kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
-    for request in make_group("g", 10, 3):
-        sched.add_request(request)
+    kv, sched, _ = scheduled_group(10, 3, max_num_seqs=2)
     run_step(sched)
     out, _ = run_step(sched)
     # One seat beside the leader: the first sample copies, the other waits holding only the
