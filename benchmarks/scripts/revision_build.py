@@ -25,11 +25,14 @@ def checkout_sources(revision: str, into: Path) -> Path:
     return into
 
 
-def build_library(source_dir: Path, name: str, target: Path) -> ctypes.CDLL:
-    """Library `name` (its .c file in `source_dir`) compiled for this CPU into `target`."""
+def build_library(
+    source_dir: Path, name: str, target: Path, arch: tuple[str, ...] | None = None
+) -> ctypes.CDLL:
+    """Library `name` (its .c file in `source_dir`) compiled into `target` for this CPU, or
+    for the target flags `arch` where given (as forklift.native.build takes them)."""
     compiler = find_compiler()
     assert compiler is not None, "no C compiler"
-    command = [compiler, *compile_flags(), "-o", str(target), str(source_dir / f"{name}.c"),
-               "-lm"]  # fmt: skip
+    command = [compiler, *compile_flags(arch), "-o", str(target),
+               str(source_dir / f"{name}.c"), "-lm"]  # fmt: skip
     subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))

@@ -10,10 +10,8 @@ Run: .venv/bin/python benchmarks/scripts/vector_width_ab.py [out_dir]
 
 from __future__ import annotations
 
-import ctypes
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,27 +19,20 @@ from pathlib import Path
 
 import torch
 from results import command_line, write_results
-from revision_build import CSRC, ROOT
+from revision_build import CSRC, ROOT, build_library
 
 from forklift.bench.decode import time_pure_decode
 from forklift.bench.report import cpu_flags
 from forklift.checkpoint.source import default_model_path
 from forklift.llm import LLM
-from forklift.native.build import COMPILE_FLAGS, find_compiler
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.seeded_sample import NativeSeededSampler
 
 CONTEXT, STEPS, ROUNDS, SAMPLER_ROWS = 564, 8, 6, 64
-WIDTHS = {"256-bit": "-mprefer-vector-width=256", "512-bit": "-mprefer-vector-width=512"}
-
-
-def _build(name: str, width_flag: str, target: Path) -> ctypes.CDLL:
-    compiler = find_compiler()
-    assert compiler is not None, "no C compiler"
-    command = [compiler, *COMPILE_FLAGS, "-march=native", width_flag, "-o", str(target),
-               str(ROOT / CSRC / f"{name}.c"), "-lm"]  # fmt: skip
-    subprocess.run(command, check=True)
-    return ctypes.CDLL(str(target))
+WIDTHS = {
+    "256-bit": ("-march=native", "-mprefer-vector-width=256"),
+    "512-bit": ("-march=native", "-mprefer-vector-width=512"),
+}
 
 
 def _sampler_ms(sampler: NativeSeededSampler, logits: torch.Tensor) -> float:
@@ -67,13 +58,13 @@ def main() -> None:
     logits = torch.randn(SAMPLER_ROWS, vocab, generator=torch.Generator().manual_seed(0)) * 3
     with tempfile.TemporaryDirectory() as scratch:
         steps, samplers = {}, {}
-        for name, flag in WIDTHS.items():
+        for name, arch in WIDTHS.items():
             tag = name.split("-")[0]
             steps[name] = NativeDecodeStep(
-                _build("decode_step", flag, Path(scratch) / f"step{tag}.so")
+                build_library(ROOT / CSRC, "decode_step", Path(scratch) / f"step{tag}.so", arch)
             )
             samplers[name] = NativeSeededSampler(
-                _build("seeded_sample", flag, Path(scratch) / f"sample{tag}.so")
+                build_library(ROOT / CSRC, "seeded_sample", Path(scratch) / f"sample{tag}.so", arch)
             )
         times: dict[str, dict[str, list[float]]] = {
             part: {name: [] for name in WIDTHS} for part in ("batch 1", "batch 8", "sampler")
