@@ -1,6 +1,6 @@
 """The native block kernels (forklift/native/csrc/quant_matmul.h): for every instruction set
 this machine runs (its own, AVX2, and plain C) and both block types, the product equals a
-float reference that quantizes the activations as the kernel does, for odd shapes and 1-16
+float reference that quantizes the activations as the kernel does, for odd shapes and 1-33
 rows, in fp32 and bf16; the interleaved layout holds exactly the weights it was given."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_block_matmul_equals_the_reference(kernel, n, k, form):
     )
     exact = blocks.dequantize()
     assert ((exact - weight).norm() / weight.norm()).item() < (0.1 if form == "int4" else 0.01)
-    for rows in (1, 2, 3, 4, 5, 8, 16):
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17, 33):
         x = torch.randn(rows, k)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
         want = _reference(x, exact)
@@ -98,16 +98,18 @@ def test_precise_activations_take_two_int8_rows(kernel, form):
 @pytest.mark.parametrize("form", ["int4", "int8"])
 @pytest.mark.parametrize("precise", [False, True])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, form, precise):
-    """Bit for bit, alone or among up to 16 rows: speculation verifies drafts as extra rows
-    and promises the tokens of decoding without them."""
+    """Bit for bit, alone or among up to 40 rows: speculation verifies drafts as extra rows
+    and promises the tokens of decoding without them. From 16 rows, where the CPU has AMX,
+    sixteen rows at a time multiply on tiles, the rest as below 16."""
     torch.manual_seed(11)
     n, k = 72, 320
     build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
     blocks = build(torch.randn(n, k), kernel, precise=precise)
-    x = torch.randn(16, k) * torch.linspace(0.1, 10, k)
-    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(16)])
-    for rows in range(2, 17):
+    x = torch.randn(40, k) * torch.linspace(0.1, 10, k)
+    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(40)])
+    for rows in range(2, 41):
         assert torch.equal(blocks.linear(x[:rows]), alone[:rows]), rows
+    assert torch.equal(blocks.linear(x[24:40]), alone[24:40])
 
 
 def test_int4_blocks_hold_the_groups_exactly(kernel):

@@ -1,9 +1,10 @@
 """The native block matmul of this tree against the one of a git revision, side by side in one
 process, on the default model's LM head shape (49152 x 576 Q8 blocks, precise activations, as
-the decode step runs it): each build's kernel alternating, rows 1 to 16. Writes
-benchmarks/<dir>/quant-matmul-ab.{md,json}.
+the decode step runs it) and its 30 layers of projections (Q4 blocks, each layer its own
+weights): each build's kernel alternating, rows 1 to 32. Writes
+benchmarks/<dir>/<name>.{md,json} (name: quant-matmul-ab unless given).
 
-Run: .venv/bin/python benchmarks/scripts/quant_matmul_ab.py REV [out_dir]
+Run: .venv/bin/python benchmarks/scripts/quant_matmul_ab.py REV [out_dir [name]]
 """
 
 from __future__ import annotations
@@ -20,17 +21,28 @@ from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
-from forklift.native.quant_matmul import BlockInt8, QuantMatmulKernel
+from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
 
 VOCAB, HIDDEN = 49152, 576
-ROWS = (1, 2, 4, 8, 16)
+SHAPES, LAYERS = ((960, 576), (576, 576), (3072, 576), (576, 1536)), 30
+ROWS = (1, 2, 4, 8, 16, 24, 32)
 ROUNDS, CALLS = 7, 5
+
+
+def _layers_ms(layers: list[BlockInt4], inputs: dict[int, torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for layer in layers:
+        layer.linear(inputs[layer.shape[1]])
+    return (time.perf_counter() - started) * 1e3
 
 
 def main() -> None:
     revision = sys.argv[1]
     out_dir = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else ROOT / "benchmarks"
-    weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+    stem = sys.argv[3] if len(sys.argv) > 3 else "quant-matmul-ab"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen)
+    layer_weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in SHAPES]
     with tempfile.TemporaryDirectory() as scratch:
         base = checkout_sources(revision, Path(scratch) / "base")
         kernels = {
@@ -45,20 +57,33 @@ def main() -> None:
             name: dataclasses.replace(BlockInt8.from_dense(weight, kernel), precise=True)
             for name, kernel in kernels.items()
         }
+        layers = {
+            name: [BlockInt4.from_dense(w, kernel) for w in layer_weights]
+            for name, kernel in kernels.items()
+        }
         results = []
         for rows in ROWS:
             x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+            inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
             outputs = {name: head.linear(x) for name, head in heads.items()}
-            same = torch.equal(*outputs.values())
+            same = torch.equal(*outputs.values()) and all(
+                torch.equal(*(layers[name][i].linear(inputs[w.shape[1]]) for name in layers))
+                for i, w in enumerate(layer_weights[: len(SHAPES)])
+            )
             times: dict[str, list[float]] = {name: [] for name in heads}
+            layer_times: dict[str, list[float]] = {name: [] for name in heads}
             for _ in range(ROUNDS):
                 for name, head in heads.items():
                     started = time.perf_counter()
                     for _ in range(CALLS):
                         head.linear(x)
                     times[name].append((time.perf_counter() - started) / CALLS)
+                    layer_times[name].append(_layers_ms(layers[name], inputs))
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            layers_ms = {name: statistics.median(t) for name, t in layer_times.items()}
             results.append({"rows": rows, "ms": ms, "speedup": ms[revision] / ms["this tree"],
+                            "layers_ms": layers_ms,
+                            "layers_speedup": layers_ms[revision] / layers_ms["this tree"],
                             "bit_identical": same})  # fmt: skip
             print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "baseline": revision, "shape": [VOCAB, HIDDEN],
@@ -67,21 +92,23 @@ def main() -> None:
         "# Block matmul: this tree against a baseline revision",
         "",
         f"The default model's LM head shape ({VOCAB} x {HIDDEN} Q8 blocks, precise activations: "
-        f"two int8 rows per row), 2 threads, the two builds alternating: median of {ROUNDS} "
-        f"rounds x {CALLS} calls.",
+        f"two int8 rows per row; median of {ROUNDS} rounds x {CALLS} calls) and its {LAYERS} "
+        "layers of projections (Q4 blocks, each layer its own weights; median of "
+        f"{ROUNDS} rounds), 2 threads, the two builds alternating.",
         "",
-        f"| rows | {revision} (ms) | this tree (ms) | speed-up | same outputs |",
-        "|---:|---:|---:|---:|---|",
+        f"| rows | {revision} head (ms) | this tree head (ms) | speed-up | {revision} layers (ms) "
+        "| this tree layers (ms) | speed-up | same outputs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
         *(
             f"| {r['rows']} | {r['ms'][revision]:.2f} | {r['ms']['this tree']:.2f} | "
-            f"{r['speedup']:.2f}x | {'bit for bit' if r['bit_identical'] else 'no'} |"
+            f"{r['speedup']:.2f}x | {r['layers_ms'][revision]:.2f} | "
+            f"{r['layers_ms']['this tree']:.2f} | {r['layers_speedup']:.2f}x | "
+            f"{'bit for bit' if r['bit_identical'] else 'no'} |"
             for r in results
         ),
         "",
     ]
-    write_results(
-        out_dir, "quant-matmul-ab", report, lines, command_line(__file__, revision, out_dir)
-    )
+    write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, stem))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,17 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out AMX's tile data state only on request (arch_prctl, XFEATURE_XTILEDATA);
+ * 1 once this process has it. */
+static inline int amx_tiles_granted(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+#endif
+
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)bits << 16;

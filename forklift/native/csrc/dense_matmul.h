@@ -28,13 +28,6 @@ static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define FORKLIFT_DENSE_TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands out AMX's tile data state only on request (arch_prctl, XFEATURE_XTILEDATA). */
-static int dense_tiles_granted(void) {
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
 
 /* Tiles 0-3: fp32 sums (rows 16 m .. of the pair, outputs 16 c .. of the pair: tile 2 m + c);
  * 4, 5: activations of the pair's two row tiles; 6, 7: the two output blocks' weight tiles.
@@ -168,7 +161,7 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
 /* 1 where the tiles compiled in and the kernel grants this process their state. */
 static inline int dense_tiles_available(void) {
 #if defined(FORKLIFT_DENSE_TILES)
-    return dense_tiles_granted();
+    return amx_tiles_granted();
 #else
     return 0;
 #endif

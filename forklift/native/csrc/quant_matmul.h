@@ -173,6 +173,48 @@ static inline __attribute__((always_inline)) void group_tile(
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FORKLIFT_PAIRED_GROUPS 1
 #define PAIR_TILE_ROWS 8
+/* Block b of groups g and g + 1 (`first`, `second`) as eight vectors: vector c, lane i holds
+ * the four codes of inputs 4c..4c + 3 for output i of group g (lanes 0-7) or of group g + 1
+ * (lanes 8-15), unsigned (q8 codes as w + 128). */
+static inline __attribute__((always_inline)) void unpack_pair_block(
+    const uint8_t *first, const uint8_t *second, int is_q4, __m512i w[8]) {
+#define BOTH_GROUPS(offset)                                                                   \
+    _mm512_inserti64x4(                                                                       \
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + (offset)))),      \
+        _mm256_loadu_si256((const __m256i *)(second + (offset))), 1)
+    if (is_q4) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m512i packed = BOTH_GROUPS(32 * c);
+            w[c] = _mm512_and_si512(packed, low);
+            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+    } else { /* signed codes as unsigned w + 128, the surplus 128 * sum(x) taken off */
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(BOTH_GROUPS(32 * c), bias);
+    }
+#undef BOTH_GROUPS
+}
+
+/* Block b's sixteen fp16 scales (d or m) of groups g and g + 1 as floats. */
+static inline __m512 pair_scales(const uint16_t *first, const uint16_t *second, int64_t b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(first + 8 * b))),
+        _mm_loadu_si128((const __m128i *)(second + 8 * b)), 1));
+}
+
+/* One activation row's block sums (int32, one lane per output of the pair) into its
+ * accumulator: the scaled dot, and for q4 the codes' offset. Both paths below end every
+ * block here, so a row's result is the same whichever multiplied it. */
+static inline __attribute__((always_inline)) __m512 scale_block_sums(
+    __m512 acc, __m512i dots, __m512 wd, __m512 wm, const QuantizedRow *x, int64_t b, int is_q4) {
+    if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(x->offset[b]));
+    const __m512 total = _mm512_cvtepi32_ps(dots);
+    acc = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x->xd[b])), acc);
+    if (is_q4) acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(x->xs[b]), acc);
+    return acc;
+}
+
 /* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
  * the activations' broadcasts and the dot products serve sixteen outputs, half the
  * instructions per output of group_tile. Up to PAIR_TILE_ROWS rows share each block's
@@ -198,29 +240,9 @@ static inline __attribute__((always_inline)) void group_pair_tile(
             __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
         }
         __m512i w[8];
-#define BOTH_GROUPS(offset)                                                                   \
-        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(                          \
-                               (const __m256i *)(first + (offset)))),                         \
-                           _mm256_loadu_si256((const __m256i *)(second + (offset))), 1)
-        if (is_q4) {
-            const __m512i low = _mm512_set1_epi8(0x0f);
-            for (int c = 0; c < 4; c++) {
-                const __m512i packed = BOTH_GROUPS(32 * c);
-                w[c] = _mm512_and_si512(packed, low);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            }
-        } else { /* signed codes as unsigned w + 128, the surplus 128 * sum(x) taken off */
-            const __m512i bias = _mm512_set1_epi8((char)0x80);
-            for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(BOTH_GROUPS(32 * c), bias);
-        }
-#undef BOTH_GROUPS
-#define BOTH_SCALES(s)                                                                        \
-        _mm512_cvtph_ps(_mm256_inserti128_si256(                                              \
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((s##0) + 8 * b))),        \
-            _mm_loadu_si128((const __m128i *)((s##1) + 8 * b)), 1))
-        const __m512 wd = BOTH_SCALES(d);
-        const __m512 wm = is_q4 ? BOTH_SCALES(m) : _mm512_setzero_ps();
-#undef BOTH_SCALES
+        unpack_pair_block(first, second, is_q4, w);
+        const __m512 wd = pair_scales(d0, d1, b);
+        const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
             __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -228,15 +250,111 @@ static inline __attribute__((always_inline)) void group_pair_tile(
                 even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[c]));
                 odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
             }
-            __m512i dots = _mm512_add_epi32(even, odd);
-            if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(x[r].offset[b]));
-            const __m512 total = _mm512_cvtepi32_ps(dots);
-            acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x[r].xd[b])), acc[r]);
-            if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].xs[b]), acc[r]);
+            acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(even, odd), wd, wm, x + r, b,
+                                      is_q4);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define FORKLIFT_QUANT_TILES 1
+#define QUANT_TILE_ROWS 16
+
+/* Tiles 0, 1: a block's int32 sums (16 rows x 16 outputs), even and odd blocks; 2, 3: the
+ * rows' codes of the block (16 x 32 bytes); 4, 5: the pair's unpacked codes (8 x 64 bytes,
+ * vector c of unpack_pair_block as row c: the B operand's layout of four inputs per
+ * output). */
+static inline void quant_tiles_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+        config.colsb[2 + t] = 32;
+        config.rows[2 + t] = 16;
+        config.colsb[4 + t] = 64;
+        config.rows[4 + t] = 8;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Block b's tile product into sum tile `sum` from the rows' and the codes' tiles (tile
+ * numbers are the instruction's immediates: literals only). */
+#define QUANT_TILE_PRODUCT(sum, rows_tile, codes_tile, rows_codes, stride, packed)              \
+    do {                                                                                        \
+        _tile_zero(sum);                                                                        \
+        _tile_loadd(rows_tile, rows_codes, stride);                                             \
+        _tile_loadd(codes_tile, packed, 64);                                                    \
+        _tile_dpbsud(sum, rows_tile, codes_tile);                                               \
+    } while (0)
+
+/* Sixteen activation rows against groups g and g + 1 on AMX-INT8 (tiles as
+ * quant_tiles_configure sets them): one tile product per block (`tdpbsud`, the rows' signed
+ * codes by the pair's unsigned ones) gives each row's sixteen int32 block sums, the integers
+ * group_pair_tile's dot products sum, and each row's sums then go through scale_block_sums:
+ * the result is group_pair_tile's bit for bit, with a third of its instructions per row.
+ * Pipelined: block b's product runs while block b - 1's sums are stored and block b - 2's
+ * are scaled, so no step waits on the one before it. The rows' codes lie `stride` bytes
+ * apart. sums[r * 16 + i]. */
+static inline __attribute__((always_inline)) void group_pair_tiles(
+    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
+    int64_t stride, float *sums, int is_q4) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+    uint8_t codes_tile[2][512] __attribute__((aligned(64)));
+    int32_t block_sums[3][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
+    __m512 acc[QUANT_TILE_ROWS];
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks + 2; b++) {
+        if (b < blocks) {
+            const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
+            for (int64_t line = 0; line < block_bytes; line += 64) {
+                __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
+                __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
+            }
+            __m512i w[8];
+            unpack_pair_block(first, second, is_q4, w);
+            uint8_t *tile = codes_tile[b & 1];
+            for (int c = 0; c < 8; c++) _mm512_store_si512(tile + 64 * c, w[c]);
+            if (b & 1)
+                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
+            else
+                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride, tile);
+        }
+        if (b >= 1 && b - 1 < blocks) {
+            if ((b - 1) & 1)
+                _tile_stored(1, block_sums[(b - 1) % 3], 64);
+            else
+                _tile_stored(0, block_sums[(b - 1) % 3], 64);
+        }
+        if (b >= 2) {
+            const int64_t done = b - 2;
+            const int32_t *done_sums = block_sums[done % 3];
+            const __m512 wd = pair_scales(d0, d1, done);
+            const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
+            for (int r = 0; r < QUANT_TILE_ROWS; r++)
+                acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
+                                          x + r, done, is_q4);
+        }
+    }
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
+#undef QUANT_TILE_PRODUCT
+
+/* The byte distance between consecutive rows' codes when x[0..count - 1] are evenly
+ * spaced (one tile load reads them), else 0. */
+static inline int64_t even_row_stride(const QuantizedRow *x, int count) {
+    const int64_t stride = x[1].q - x[0].q;
+    for (int r = 2; r < count; r++)
+        if (x[r].q - x[r - 1].q != stride) return 0;
+    return stride > 0 ? stride : 0;
+}
+#endif
 #endif
 
 /* Weights of one matmul: q4 when `m` is set, else q8. `precise`: activations go in as
@@ -303,7 +421,7 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
 /* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them. */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold) {
+                                        int64_t fold, int tiles) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -313,6 +431,29 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
     for (int64_t r0 = 0; r0 < rows;) {
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
+#if defined(FORKLIFT_QUANT_TILES)
+        const int64_t stride = tiles && limit - r0 >= QUANT_TILE_ROWS
+                                   ? even_row_stride(x + r0, QUANT_TILE_ROWS)
+                                   : 0;
+        if (stride) {
+            float sums[16 * QUANT_TILE_ROWS];
+            if (is_q4)
+                group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
+                                 m + blocks * 8, blocks, x + r0, stride, sums, 1);
+            else
+                group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
+                                 blocks, x + r0, stride, sums, 0);
+            for (int t = 0; t < QUANT_TILE_ROWS; t++) {
+                store_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, 8);
+                store_sums(out, out_stride, r0 + t, fold, first + 8, sums + 16 * t + 8,
+                           second_width);
+            }
+            r0 += QUANT_TILE_ROWS;
+            continue;
+        }
+#else
+        (void)tiles;
+#endif
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
         float sums[16 * PAIR_TILE_ROWS];
 #define PAIR_TILE(is_q4, rows)                                                               \
@@ -376,8 +517,18 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
     }
     const int64_t active = w->precise ? 2 * rows : rows, fold = w->precise ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
+#if defined(FORKLIFT_QUANT_TILES)
+    /* Sixteen rows on the tiles: at eight a tile is half empty and the dot products win. */
+    const int tiles = rows >= QUANT_TILE_ROWS && amx_tiles_granted();
+#else
+    const int tiles = 0;
+    (void)tiles;
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
+#if defined(FORKLIFT_QUANT_TILES)
+        if (tiles) quant_tiles_configure();
+#endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
         const int64_t begin = id * per < groups ? id * per : groups;
@@ -385,12 +536,15 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
             if (g + 1 < end) {
-                quant_row_group_pair(w, g++, views, active, out, w->n, fold);
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tiles);
                 continue;
             }
 #endif
             quant_row_group(w, g, views, active, out, w->n, fold);
         }
+#if defined(FORKLIFT_QUANT_TILES)
+        if (tiles) _tile_release();
+#endif
     }
 }
 
