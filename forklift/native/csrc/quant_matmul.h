@@ -432,7 +432,9 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     for (int64_t r0 = 0; r0 < rows;) {
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
 #if defined(FORKLIFT_QUANT_TILES)
-        const int64_t stride = tiles && limit - r0 >= QUANT_TILE_ROWS
+        /* A tile may span both halves of precise rows: store_sums stores them in order,
+         * each second half adding onto its first, as the dot products' tiles leave them. */
+        const int64_t stride = tiles && rows - r0 >= QUANT_TILE_ROWS
                                    ? even_row_stride(x + r0, QUANT_TILE_ROWS)
                                    : 0;
         if (stride) {
@@ -518,8 +520,9 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
     const int64_t active = w->precise ? 2 * rows : rows, fold = w->precise ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
 #if defined(FORKLIFT_QUANT_TILES)
-    /* Sixteen rows on the tiles: at eight a tile is half empty and the dot products win. */
-    const int tiles = rows >= QUANT_TILE_ROWS && amx_tiles_granted();
+    /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
+     * and the dot products win. */
+    const int tiles = active >= QUANT_TILE_ROWS && amx_tiles_granted();
 #else
     const int tiles = 0;
     (void)tiles;
