@@ -140,6 +140,18 @@ def test_a_copied_block_is_never_zeroed_over(tiny_dir):
     assert fresh not in again.fresh_blocks.tolist()
 
 
+def test_blocks_are_zeroed_before_their_first_read(tiny_dir):
+    """A never-written block may hold anything (torch.empty): NaNs there must not reach a
+    sequence, whose attention reads its last block whole."""
+    prompts = [tokens(6 + i, seed=30 + i) for i in range(3)]
+    outputs = []
+    for garbage in (0.0, float("nan")):
+        llm = make_llm(tiny_dir)
+        llm.llm_engine.runner._kv_cache_tensor[:, :, :, 1:] = garbage  # null block 0 stays
+        outputs.append(token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)))
+    assert outputs[1] == outputs[0]
+
+
 def test_samples_waiting_for_a_seat_match_their_solo_runs(tiny_dir):
     # Four seats for eight samples: three copy the last prompt block and start at once, the
     # others wait and compute it themselves.
