@@ -32,6 +32,30 @@ def kernel(request) -> QuantMatmulKernel:
     return loaded
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Two threads, as CI's machine: every shape below then gives each thread row groups in
+    pairs, the form the 512-bit and tile paths take, whatever cores this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_amx_cpus_multiply_on_tiles():
+    """On a CPU with AMX-INT8 this machine's own build multiplies 16 rows or more on tiles
+    (so the tests of 16 rows and more below run that path), the others never do."""
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    native = QuantMatmulKernel.load(TARGETS["native"])
+    assert native is not None
+    assert native.tiles_available == ("amx_int8" in cpu_flags())
+    for target in ("avx2", "scalar"):
+        if target == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+            continue
+        assert not QuantMatmulKernel.load(TARGETS[target]).tiles_available
+
+
 def _activation_quantized(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel sees it: int8 codes per 32 values with scale max|x| / 127."""
     rows, k = x.shape
@@ -45,7 +69,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (_activation_quantized(x).double() @ weight.double().T).float()
 
 
-SHAPES = [(8, 32), (13, 64), (96, 96), (200, 576), (33, 1536)]
+SHAPES = [(8, 32), (13, 64), (40, 32), (40, 64), (96, 96), (200, 576), (33, 1536)]
 
 
 @pytest.mark.parametrize("n, k", SHAPES)

@@ -94,7 +94,7 @@ def main() -> None:
         f"The default model's LM head shape ({VOCAB} x {HIDDEN} Q8 blocks, precise activations: "
         f"two int8 rows per row; median of {ROUNDS} rounds x {CALLS} calls) and its {LAYERS} "
         "layers of projections (Q4 blocks, each layer its own weights; median of "
-        f"{ROUNDS} rounds), 2 threads, the two builds alternating.",
+        f"{ROUNDS} rounds), {torch.get_num_threads()} threads, the two builds alternating.",
         "",
         f"| rows | {revision} head (ms) | this tree head (ms) | speed-up | {revision} layers (ms) "
         "| this tree layers (ms) | speed-up | same outputs |",

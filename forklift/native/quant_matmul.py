@@ -41,6 +41,12 @@ class QuantMatmulKernel:
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
+        self._library = library
+
+    @property
+    def tiles_available(self) -> bool:
+        """Whether matmuls of 16 rows or more run on AMX tiles (built for and granted)."""
+        return bool(self._library.forklift_quant_tiles_available())
 
     @classmethod
     def load(cls, arch: tuple[str, ...] | None = None) -> QuantMatmulKernel | None:

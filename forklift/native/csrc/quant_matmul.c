@@ -2,6 +2,15 @@
  * times the weight's blocks, out [rows, N] in x's dtype. */
 #include "quant_matmul.h"
 
+/* 1 where matmuls of 16 rows or more multiply on AMX tiles in this build and process. */
+int forklift_quant_tiles_available(void) {
+#if defined(FORKLIFT_QUANT_TILES)
+    return quant_tiles_usable();
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *codes,
                           const uint16_t *d, const uint16_t *m, int64_t n, int precise,

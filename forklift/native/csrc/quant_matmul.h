@@ -15,8 +15,9 @@
  * N is padded to a multiple of eight rows (zero scales) and only N outputs are written.
  * Each activation row is quantized once per call to int8 per 32 values (x = q * xd). The
  * dot product is AVX-512 VNNI `vpdpbusd` where the compiler targets it, AVX2 `vpmaddubsw`
- * + `vpmaddwd` where it targets that, plain C elsewhere. Each weight block is read once
- * from memory for all activation rows.
+ * + `vpmaddwd` where it targets that, plain C elsewhere; from 16 rows, AMX-INT8 tile
+ * products where the CPU has them, with the same result bit for bit. Each weight block is
+ * read once from memory for all activation rows.
  *
  * The kernel is included by the libraries that use it (matmul alone, the decode step), so
  * everything here is static.
@@ -284,9 +285,11 @@ static inline void quant_tiles_configure(void) {
 }
 
 /* Block b's tile product into sum tile `sum` from the rows' and the codes' tiles (tile
- * numbers are the instruction's immediates: literals only). */
+ * numbers are the instruction's immediates: literals only). The empty asm orders the
+ * stores of `packed` before its tile load, which the compiler does not see reading memory. */
 #define QUANT_TILE_PRODUCT(sum, rows_tile, codes_tile, rows_codes, stride, packed)              \
     do {                                                                                        \
+        __asm__ volatile("" ::: "memory");                                                      \
         _tile_zero(sum);                                                                        \
         _tile_loadd(rows_tile, rows_codes, stride);                                             \
         _tile_loadd(codes_tile, packed, 64);                                                    \
@@ -307,7 +310,9 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     int64_t stride, float *sums, int is_q4) {
     const int64_t block_bytes = is_q4 ? 128 : 256;
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
-    int32_t block_sums[3][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
+    /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
+     * by then the slot's previous block has been scaled. */
+    int32_t block_sums[2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
     __m512 acc[QUANT_TILE_ROWS];
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
@@ -328,13 +333,13 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
         }
         if (b >= 1 && b - 1 < blocks) {
             if ((b - 1) & 1)
-                _tile_stored(1, block_sums[(b - 1) % 3], 64);
+                _tile_stored(1, block_sums[(b - 1) % 2], 64);
             else
-                _tile_stored(0, block_sums[(b - 1) % 3], 64);
+                _tile_stored(0, block_sums[(b - 1) % 2], 64);
         }
         if (b >= 2) {
             const int64_t done = b - 2;
-            const int32_t *done_sums = block_sums[done % 3];
+            const int32_t *done_sums = block_sums[done % 2];
             const __m512 wd = pair_scales(d0, d1, done);
             const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
             for (int r = 0; r < QUANT_TILE_ROWS; r++)
@@ -346,13 +351,26 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
 }
 #undef QUANT_TILE_PRODUCT
 
-/* The byte distance between consecutive rows' codes when x[0..count - 1] are evenly
- * spaced (one tile load reads them), else 0. */
-static inline int64_t even_row_stride(const QuantizedRow *x, int count) {
+/* The byte distance between consecutive rows' codes when x[0..count - 1] (count >= 2) lie
+ * in ascending order a positive distance apart, so that one tile load reads any sixteen of
+ * them; else 0. */
+static inline int64_t even_row_stride(const QuantizedRow *x, int64_t count) {
     const int64_t stride = x[1].q - x[0].q;
-    for (int r = 2; r < count; r++)
+    for (int64_t r = 2; r < count; r++)
         if (x[r].q - x[r - 1].q != stride) return 0;
     return stride > 0 ? stride : 0;
+}
+
+/* 1 where this process may use the tiles; asked of the kernel once (the answer never
+ * changes), since every matmul of 16 rows or more needs it. */
+static inline int quant_tiles_usable(void) {
+    static int usable = -1; /* -1: not asked yet; threads that race store the same answer */
+    int known = __atomic_load_n(&usable, __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = amx_tiles_granted();
+        __atomic_store_n(&usable, known, __ATOMIC_RELAXED);
+    }
+    return known;
 }
 #endif
 #endif
@@ -418,10 +436,20 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
 }
 
 #if defined(FORKLIFT_PAIRED_GROUPS)
-/* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them. */
+/* Activation row `row`'s sixteen sums for groups g and g + 1 (`first` = 8 g, the second
+ * group `second_width` outputs wide). */
+static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, int64_t fold,
+                                   int64_t first, const float *sums, int64_t second_width) {
+    store_sums(out, out_stride, row, fold, first, sums, 8);
+    store_sums(out, out_stride, row, fold, first + 8, sums + 8, second_width);
+}
+
+/* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
+ * with `tile_stride` (the rows' codes that far apart; 0: no tiles), sixteen rows at a time
+ * as group_pair_tiles does. */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, int tiles) {
+                                        int64_t fold, int64_t tile_stride) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -430,32 +458,27 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
     const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
     for (int64_t r0 = 0; r0 < rows;) {
-        const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
 #if defined(FORKLIFT_QUANT_TILES)
-        /* A tile may span both halves of precise rows: store_sums stores them in order,
-         * each second half adding onto its first, as the dot products' tiles leave them. */
-        const int64_t stride = tiles && rows - r0 >= QUANT_TILE_ROWS
-                                   ? even_row_stride(x + r0, QUANT_TILE_ROWS)
-                                   : 0;
-        if (stride) {
+        /* A tile may span both halves of precise rows: rows are stored in order, each
+         * second half adding onto its first, as the dot products' tiles leave them. */
+        if (tile_stride && rows - r0 >= QUANT_TILE_ROWS) {
             float sums[16 * QUANT_TILE_ROWS];
             if (is_q4)
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                 m + blocks * 8, blocks, x + r0, stride, sums, 1);
+                                 m + blocks * 8, blocks, x + r0, tile_stride, sums, 1);
             else
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                 blocks, x + r0, stride, sums, 0);
-            for (int t = 0; t < QUANT_TILE_ROWS; t++) {
-                store_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, 8);
-                store_sums(out, out_stride, r0 + t, fold, first + 8, sums + 16 * t + 8,
-                           second_width);
-            }
+                                 blocks, x + r0, tile_stride, sums, 0);
+            for (int t = 0; t < QUANT_TILE_ROWS; t++)
+                store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
+                                second_width);
             r0 += QUANT_TILE_ROWS;
             continue;
         }
 #else
-        (void)tiles;
+        (void)tile_stride;
 #endif
+        const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
         float sums[16 * PAIR_TILE_ROWS];
 #define PAIR_TILE(is_q4, rows)                                                               \
@@ -479,10 +502,8 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         }
 #undef PAIR_TILES
 #undef PAIR_TILE
-        for (int t = 0; t < tile; t++) {
-            store_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, 8);
-            store_sums(out, out_stride, r0 + t, fold, first + 8, sums + 16 * t + 8, second_width);
-        }
+        for (int t = 0; t < tile; t++)
+            store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, second_width);
         r0 += tile;
     }
 }
@@ -522,15 +543,17 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win. */
-    const int tiles = active >= QUANT_TILE_ROWS && amx_tiles_granted();
+    const int64_t tile_stride = active >= QUANT_TILE_ROWS && quant_tiles_usable()
+                                    ? even_row_stride(views, active)
+                                    : 0;
 #else
-    const int tiles = 0;
-    (void)tiles;
+    const int64_t tile_stride = 0;
+    (void)tile_stride;
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(FORKLIFT_QUANT_TILES)
-        if (tiles) quant_tiles_configure();
+        if (tile_stride) quant_tiles_configure();
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
@@ -539,14 +562,14 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
             if (g + 1 < end) {
-                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tiles);
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tile_stride);
                 continue;
             }
 #endif
             quant_row_group(w, g, views, active, out, w->n, fold);
         }
 #if defined(FORKLIFT_QUANT_TILES)
-        if (tiles) _tile_release();
+        if (tile_stride) _tile_release();
 #endif
     }
 }
