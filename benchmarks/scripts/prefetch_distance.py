@@ -1,7 +1,7 @@
 """How far ahead should the block matmul prefetch? 30 layers' four projections of the default
-model (Q4 blocks, about 66 MB: far past the caches, as in a decode step) at 1 and 8 rows,
-for prefetch distances of 0 (the block in hand: no look-ahead), 4 (the distance the AVX-512
-build used before) and 32 (the kernel's default), in the build for this CPU and the AVX2
+model (Q4 blocks, about 66 MB: far past the caches, as in a decode step) at 1, 8 and 16 rows,
+for prefetch distances of 0 (the block in hand: no look-ahead), 32 (the kernel's default
+but on AVX-512 VNNI), 64 (its default there) and 128, in the build for this CPU and the AVX2
 build, side by side in one process, interleaved. Writes
 benchmarks/OUT_SUBDIR/prefetch-distance.{md,json}.
 
@@ -18,14 +18,20 @@ from pathlib import Path
 import torch
 
 from forklift.bench.report import cpu_flags, write_report_files
+from forklift.cpu import native_arch_flags
 from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
-DISTANCES = (0, 4, 32)
-ROWS = (1, 8)
+DISTANCES = (0, 32, 64, 128)
+ROWS = (1, 8, 16)
 ROUNDS = 9
-BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
+BUILDS = {"native": native_arch_flags(), "avx2": ("-march=x86-64-v3", "-mtune=native")}
+# PREFETCH_BLOCKS in csrc/quant_matmul.h: 64 where the build has AVX-512 VNNI, else 32.
+DEFAULTS = {
+    "native": 64 if {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_flags()) else 32,
+    "avx2": 32,
+}
 
 
 def _time_layers(layers: list[list[BlockInt4]], xs: list[torch.Tensor]) -> float:
@@ -74,19 +80,21 @@ def render_markdown(report: dict) -> str:
         f"{LAYERS} layers of the default model's projections as Q4 blocks "
         f"({report['megabytes']:.1f} MB, far past the caches), one call per projection (the "
         "Python call is in the time). Prefetch distance in blocks of the stream: 0 fetches the "
-        "block in hand (no look-ahead, as the AVX2 build did before), 4 was the AVX-512 "
-        "build's, 32 the default.",
+        "block in hand (no look-ahead); the last columns: each build's default and its rate.",
         "",
-        "| build | rows | 0 blocks (ms) | 4 blocks (ms) | 32 blocks (ms) | GB/s at 32 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| build | rows | "
+        + " | ".join(f"{d} blocks (ms)" for d in DISTANCES)
+        + " | default | GB/s at default |",
+        "|---|---:|" + "---:|" * (len(DISTANCES) + 2),
     ]
     for build in BUILDS:
         for rows in ROWS:
             cell = {r["prefetch_blocks"]: r for r in report["results"]
                     if r["build"] == build and r["rows"] == rows}  # fmt: skip
             lines.append(
-                f"| {build} | {rows} | {cell[0]['ms']:.2f} | {cell[4]['ms']:.2f} | "
-                f"{cell[32]['ms']:.2f} | {cell[32]['gb_per_s']:.1f} |"
+                f"| {build} | {rows} | "
+                + " | ".join(f"{cell[d]['ms']:.2f}" for d in DISTANCES)
+                + f" | {DEFAULTS[build]} | {cell[DEFAULTS[build]]['gb_per_s']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 
