@@ -20,6 +20,13 @@
 static inline int amx_tiles_granted(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
+
+/* ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row and rows. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) AmxTileConfig;
 #endif
 
 static inline float bf16_to_float(uint16_t bits) {

@@ -32,15 +32,9 @@ static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
 /* Tiles 0-3: fp32 sums (rows 16 m .. of the pair, outputs 16 c .. of the pair: tile 2 m + c);
  * 4, 5: activations of the pair's two row tiles; 6, 7: the two output blocks' weight tiles.
  * Each loaded tile serves two products (the 2 x 2 blocking that keeps the tile unit busy).
- * All tiles 16 rows of 64 bytes; ldtilecfg's operand is 64 bytes: palette, then per tile
- * bytes per row and rows. */
+ * All tiles 16 rows of 64 bytes. */
 static inline void dense_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) config = {0};
-    config.palette = 1;
+    AmxTileConfig config = {.palette = 1};
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;

@@ -203,6 +203,19 @@ static inline __attribute__((always_inline)) void unpack_pair_block(
 #undef BOTH_GROUPS
 }
 
+/* Block b of groups g and g + 1 (their codes from `codes0`, `codes1`) unpacked as
+ * unpack_pair_block does, the two streams fetched PREFETCH_BLOCKS ahead. */
+static inline __attribute__((always_inline)) void fetch_pair_block(
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, __m512i w[8]) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+    const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64) {
+        __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
+        __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
+    }
+    unpack_pair_block(first, second, is_q4, w);
+}
+
 /* Block b's sixteen fp16 scales (d or m) of groups g and g + 1 as floats. */
 static inline __m512 pair_scales(const uint16_t *first, const uint16_t *second, int64_t b) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(
@@ -236,18 +249,11 @@ static inline __attribute__((always_inline)) void group_pair_tile(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
     float *sums, int is_q4) {
-    const int64_t block_bytes = is_q4 ? 128 : 256;
     __m512 acc[PAIR_TILE_ROWS];
     for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
-        /* Two streams a group apart: fetch PREFETCH_BLOCKS ahead in both. */
-        for (int64_t line = 0; line < block_bytes; line += 64) {
-            __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
-            __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
-        }
         __m512i w[8];
-        unpack_pair_block(first, second, is_q4, w);
+        fetch_pair_block(codes0, codes1, b, is_q4, w);
         const __m512 wd = pair_scales(d0, d1, b);
         const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
@@ -273,12 +279,7 @@ static inline __attribute__((always_inline)) void group_pair_tile(
  * vector c of unpack_pair_block as row c: the B operand's layout of four inputs per
  * output). */
 static inline void quant_tiles_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) config = {0};
-    config.palette = 1;
+    AmxTileConfig config = {.palette = 1};
     for (int t = 0; t < 2; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
@@ -314,7 +315,6 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
     int64_t stride, float *sums, int is_q4) {
-    const int64_t block_bytes = is_q4 ? 128 : 256;
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
      * by then the slot's previous block has been scaled. */
@@ -323,13 +323,8 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
         if (b < blocks) {
-            const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
-            for (int64_t line = 0; line < block_bytes; line += 64) {
-                __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
-                __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
-            }
             __m512i w[8];
-            unpack_pair_block(first, second, is_q4, w);
+            fetch_pair_block(codes0, codes1, b, is_q4, w);
             uint8_t *tile = codes_tile[b & 1];
             for (int c = 0; c < 8; c++) _mm512_store_si512(tile + 64 * c, w[c]);
             if (b & 1)
