@@ -5,10 +5,13 @@ rows, in fp32 and bf16; the interleaved layout holds exactly the weights it was 
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+
 import pytest
 import torch
 
-from forklift.cpu import cpu_flags
+from forklift.cpu import cpu_flags, native_arch_flags
 from forklift.model.layers.quantized import Int4Groups, int4_groups_from_dense
 from forklift.native import build as native_build
 from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
@@ -34,22 +37,37 @@ def kernel(request) -> QuantMatmulKernel:
 
 @pytest.fixture(autouse=True)
 def two_threads():
-    """Two threads, as CI's machine: every shape below then gives each thread row groups in
-    pairs, the form the 512-bit and tile paths take, whatever cores this machine has."""
+    """Two threads, whatever cores this machine has: the shapes below of three row groups or
+    more then give each thread groups in pairs, the form the 512-bit and tile paths take."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
 
+def _amx_int8_usable() -> bool:
+    """The CPU shows AMX-INT8, the compiler targets it for this CPU and the kernel grants
+    the tile state (arch_prctl may refuse it: an old kernel, some sandboxes)."""
+    compiler = native_build.find_compiler()
+    if "amx_int8" not in cpu_flags() or compiler is None:
+        return False
+    macros = subprocess.run(
+        [compiler, *native_arch_flags(), "-dM", "-E", "-"], input="", capture_output=True,
+        text=True, check=True,
+    ).stdout  # fmt: skip
+    arch_prctl, request_permission, tile_data = 158, 0x1023, 18
+    granted = ctypes.CDLL(None).syscall(arch_prctl, request_permission, tile_data) == 0
+    return "__AMX_INT8__" in macros and granted
+
+
 def test_amx_cpus_multiply_on_tiles():
-    """On a CPU with AMX-INT8 this machine's own build multiplies 16 rows or more on tiles
-    (so the tests of 16 rows and more below run that path), the others never do."""
+    """Where AMX-INT8 is usable this machine's own build multiplies 16 rows or more on tiles
+    (so the tests of 16 rows and more below run that path); no other build ever does."""
     if native_build.find_compiler() is None:
         pytest.skip("no C compiler on this machine")
     native = QuantMatmulKernel.load(TARGETS["native"])
     assert native is not None
-    assert native.tiles_available == ("amx_int8" in cpu_flags())
+    assert native.tiles_available == _amx_int8_usable()
     for target in ("avx2", "scalar"):
         if target == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
             continue

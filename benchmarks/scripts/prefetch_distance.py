@@ -1,7 +1,7 @@
 """How far ahead should the block matmul prefetch? 30 layers' four projections of the default
 model (Q4 blocks, about 66 MB: far past the caches, as in a decode step) at 1, 8 and 16 rows,
 for prefetch distances of 0 (the block in hand: no look-ahead), 32 (the kernel's default
-but on AVX-512 VNNI), 64 (its default there) and 128, in the build for this CPU and the AVX2
+except on AVX-512 VNNI), 64 (its default there) and 128, in the build for this CPU and the AVX2
 build, side by side in one process, interleaved. Writes
 benchmarks/OUT_SUBDIR/prefetch-distance.{md,json}.
 
@@ -27,11 +27,12 @@ DISTANCES = (0, 32, 64, 128)
 ROWS = (1, 8, 16)
 ROUNDS = 9
 BUILDS = {"native": native_arch_flags(), "avx2": ("-march=x86-64-v3", "-mtune=native")}
-# PREFETCH_BLOCKS in csrc/quant_matmul.h: 64 where the build has AVX-512 VNNI, else 32.
-DEFAULTS = {
-    "native": 64 if {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_flags()) else 32,
-    "avx2": 32,
-}
+
+
+def _default_distance(build: str, flags: list[str]) -> int:
+    """PREFETCH_BLOCKS in csrc/quant_matmul.h: 64 where the build has AVX-512 VNNI, else 32."""
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+    return 64 if build == "native" and vnni else 32
 
 
 def _time_layers(layers: list[list[BlockInt4]], xs: list[torch.Tensor]) -> float:
@@ -91,10 +92,11 @@ def render_markdown(report: dict) -> str:
         for rows in ROWS:
             cell = {r["prefetch_blocks"]: r for r in report["results"]
                     if r["build"] == build and r["rows"] == rows}  # fmt: skip
+            default = _default_distance(build, report["cpu_flags"])
             lines.append(
                 f"| {build} | {rows} | "
                 + " | ".join(f"{cell[d]['ms']:.2f}" for d in DISTANCES)
-                + f" | {DEFAULTS[build]} | {cell[DEFAULTS[build]]['gb_per_s']:.1f} |"
+                + f" | {default} | {cell[default]['gb_per_s']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 

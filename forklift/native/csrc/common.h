@@ -1,4 +1,5 @@
-/* What every kernel here shares: bf16 and fp16 conversions. */
+/* What every kernel here shares: bf16 and fp16 conversions; AMX's grant and tile
+ * configuration. */
 #ifndef FORKLIFT_COMMON_H
 #define FORKLIFT_COMMON_H
 
@@ -27,6 +28,7 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) AmxTileConfig;
+_Static_assert(sizeof(AmxTileConfig) == 64, "ldtilecfg reads 64 bytes");
 #endif
 
 static inline float bf16_to_float(uint16_t bits) {
