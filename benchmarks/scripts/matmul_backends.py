@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from dense_tiles import LAYERS, SHAPES
 from results import command_line, write_results
 from revision_build import ROOT
 
@@ -37,8 +38,7 @@ from forklift.bench.report import cpu_flags
 from forklift.model.layers.quantized import PackedInt4, PackedInt8, int4_groups_from_dense
 from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
 
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-LAYERS, ROWS, ROUNDS = 30, (1, 8, 16, 32), 7
+ROWS, ROUNDS = (1, 8, 16, 32), 7
 
 Backend = Callable[[dict[int, torch.Tensor]], None]
 

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import torch
+from dense_tiles import LAYERS
+from dense_tiles import SHAPES as PROJECTIONS
 
 from forklift.bench.report import cpu_flags, write_report_files
 from forklift.cpu import native_arch_flags
 from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
 
-PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-LAYERS = 30
 DISTANCES = (0, 32, 64, 128)
 ROWS = (1, 8, 16)
 ROUNDS = 9

@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 
 import torch
+from dense_tiles import HIDDEN, LAYERS, SHAPES, VOCAB
 from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
 from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
 
-VOCAB, HIDDEN = 49152, 576
-SHAPES, LAYERS = ((960, 576), (576, 576), (3072, 576), (576, 1536)), 30
 ROWS = (1, 2, 4, 8, 16, 24, 32)
 ROUNDS, CALLS = 7, 5
 

@@ -546,7 +546,7 @@ class ModelRunner:
         rows: list[ScheduledChunk],
         chunk_of: list[int],
         state_copies: Sequence[tuple[int, int]],
-        block_copies: Sequence[tuple[int, int]] = (),
+        block_copies: Sequence[tuple[int, int]],
     ) -> StepResult:
         native = self._runs_native_step(rows)
         key = None if native else self._capture_key(rows)
