@@ -15,7 +15,6 @@ from tiny_models import make_tiny_model, save_with_weight
 from forklift import LLM, SamplingParams
 from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.native import build as native_build
-from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.structured.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.skipif(
@@ -72,31 +71,31 @@ def test_native_step_equals_the_pytorch_layers(tmp_path, arch):
     assert reference.llm_engine.runner.native_steps == 0
 
 
-def test_native_steps_past_the_block_kernels_rows_keep_each_rows_result(tmp_path):
-    """More rows than the PyTorch layers' block kernels take (there such steps run the dense
-    weights): the native step's rows come out as they do in small native steps."""
+def test_native_steps_of_many_rows_keep_each_rows_result(tmp_path):
+    """More rows than the PyTorch layers' block kernels take, prompts and decodes alike: the
+    native step runs them all, and each row comes out bit for bit as in smaller steps."""
     make_tiny_model("llama", tmp_path)
-    # Prompts of more tokens than the block kernels' rows: every prefill, alone or batched,
-    # runs the dense weights, so both engines start their decodes from the same K/V.
     prompts = [[3 + i, 11, 7 + i % 5, *range(20, 34)] for i in range(BLOCK_MAX_ROWS + 5)]
     together = _int4_engine(tmp_path)
     rows = _generate(together, prompts, 6)
-    assert together.llm_engine.runner.native_steps == 5  # each of 21 rows
+    assert together.llm_engine.runner.native_steps == 6  # the prompts, then 5 of 21 rows
     apart = _int4_engine(tmp_path, max_num_seqs=4)
-    _assert_same(rows, _generate(apart, prompts, 6))
+    for a, b in zip(rows, _generate(apart, prompts, 6), strict=True):
+        assert a.token_ids == b.token_ids
+        assert [s[t].logprob for t, s in zip(a.token_ids, a.logprobs, strict=True)] == [
+            s[t].logprob for t, s in zip(b.token_ids, b.logprobs, strict=True)
+        ]
 
 
-def test_steps_beyond_its_rows_take_the_pytorch_path(tmp_path):
+def test_the_dense_copies_are_dropped(tmp_path):
+    """Every step runs the blocks, so no dense copy of a block weight stays in memory."""
     make_tiny_model("llama", tmp_path)
-    seqs = NATIVE_STEP_MAX_ROWS + 4
-    native = _int4_engine(tmp_path, max_num_seqs=seqs)
-    reference = _without_native_step(_int4_engine(tmp_path, max_num_seqs=seqs))
-    prompts = [[3 + i, 11, 7] for i in range(seqs)]
-    _assert_same(_generate(native, prompts, 6), _generate(reference, prompts, 6))
-    # Too many rows for one native step: those steps ran the PyTorch layers.
-    assert native.llm_engine.runner.native_steps == 0
-    _assert_same(_generate(native, prompts[:3], 6), _generate(reference, prompts[:3], 6))
-    assert native.llm_engine.runner.native_steps == 5
+    runner = _int4_engine(tmp_path).llm_engine.runner
+    layer = runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.is_meta and layer.mlp.down_proj.weight.is_meta
+    assert runner.quantization_report.dense_bytes == 0
+    blocks = runner.model.packed_bytes()
+    assert runner.weight_bytes < blocks + 2 * runner.model.embed_tokens.weight.nbytes
 
 
 def test_native_step_follows_weight_updates(tmp_path):
@@ -144,7 +143,7 @@ def test_the_log_says_which_decode_step_runs(tmp_path, caplog):
         _int4_engine(tmp_path)
         _int4_engine(tmp_path, decode_backend="torch")
         _int4_engine(tmp_path, quantization="none")
-    assert "decode step: one native call" in caplog.text
+    assert "every step: one native call" in caplog.text
     assert "quantization int4 (PyTorch kernels)" in caplog.text
     with pytest.raises(ValueError, match="decode_backend"):
         _int4_engine(tmp_path, quantization="none", decode_backend="native")

@@ -435,7 +435,9 @@ def test_a_cpu_without_bf16_units_runs_fp32_with_int4_layers_and_an_int8_head(
     assert engine.dtype == torch.float32 and engine.quantization == "gguf"
     model = engine.runner.model
     assert model.quantized_head.form == "int8"
-    assert model.layers[0].mlp.down_proj.packed_weight.dtype == torch.float32
+    # No dense fp32 copy: every step, prefill included, runs the blocks.
+    assert model.layers[0].mlp.down_proj.weight.is_meta
+    assert model.layers[0].mlp.down_proj.packed_weight is None
     dense = LLM(**common, quantization="none")
     convs = [[{"role": "user", "content": q}] for q in ("Name a colour.", "What is 2+2?")]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)

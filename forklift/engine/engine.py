@@ -32,7 +32,6 @@ from forklift.engine.output_processor import (
 from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
-from forklift.native.decode_step import NATIVE_STEP_MAX_ROWS
 from forklift.outputs import RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.lora_store import LoRALimits
@@ -694,7 +693,7 @@ class LLMEngine:
         batched = isinstance(self.proposer, BatchProposer)
         spare_rows = None
         if self.runner.native_step is not None:
-            spare_rows = min(NATIVE_STEP_MAX_ROWS, VERIFY_MAX_ROWS) - len(running)
+            spare_rows = VERIFY_MAX_ROWS - len(running)
         spare_slots = self.scheduler.spare_state_slots() if self.state_pool else None
         asking: list[tuple[Request, DraftQuery]] = []
         for request in running:

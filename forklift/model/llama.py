@@ -244,7 +244,9 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32, only for the rows that sample."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.quantized_head is not None and hidden.shape[0] <= self.quantized_head.max_rows:
+        elif self.quantized_head is not None and (
+            hidden.shape[0] <= self.quantized_head.max_rows or self.head_blocks_only
+        ):
             logits = quantized_linear(hidden, self.quantized_head, None)
         else:
             weight = self.embed_tokens.weight
@@ -255,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     packed_tied_head: torch.Tensor | None = None
+    # The tied head runs its blocks at every row count (no dense copy of it is packed).
+    head_blocks_only = False
     # The tied head as int8 rows (set by model/quantize.py); the embedding lookup stays dense.
     quantized_head: QuantizedWeight | None = None
 
@@ -263,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and not self.head_blocks_only:
             self.packed_tied_head = pack_weight(self.embed_tokens.weight)
 
     def unpack_weights(self) -> None:

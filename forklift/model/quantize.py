@@ -13,7 +13,9 @@
   or int8 with a scale per row); Q4_0 / Q4_1 / Q4_K GGUF tensors still take their exact
   groups, and int8 layers on the native kernels their file's int8 blocks as above.
 - "none": dense weights in the model's dtype (the HF-parity path).
-A quantized layer keeps its dense weight too: prefill chunks run the dense GEMM.
+Where the native step runs every step on the blocks (forklift/native/decode_step.py), no
+dense copy of a block-quantized weight is kept (`drop_dense_copies`); elsewhere a quantized
+layer keeps its dense weight too, and prefill chunks run the dense GEMM.
 
 Two kernel families hold the quantized copies. With the native block kernels
 (`forklift/native/quant_matmul.py`, the "native" decode backend) weights keep GGUF's 32-value
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from forklift.model.gguf_blocks import INT4_TYPES, INT8_TYPES
 from forklift.model.layers.linear import Linear
@@ -111,7 +114,7 @@ class QuantizationReport:
     method: str
     kernels: str = "torch"  # "native" block kernels or PyTorch's
     tensors: list[QuantizedTensor] = field(default_factory=list)
-    dense_bytes: int = 0  # the dense copies quantized layers keep for prefill
+    dense_bytes: int = 0  # the dense copies quantized layers keep for prefill (0: none)
 
     def summary(self) -> str:
         if not self.tensors:
@@ -124,10 +127,11 @@ class QuantizationReport:
             f"{len(group)} tensors {form} from {source} ({_mib(sum(t.nbytes for t in group))})"
             for (form, source), group in kinds.items()
         ]
-        return (
-            f"quantization {self.method} ({kernels}): " + "; ".join(parts)
-            + f"; dense copies for prefill {_mib(self.dense_bytes)}"
+        dense = (
+            f"dense copies for prefill {_mib(self.dense_bytes)}" if self.dense_bytes
+            else "no dense copies (every step runs on the blocks)"
         )  # fmt: skip
+        return f"quantization {self.method} ({kernels}): " + "; ".join(parts) + f"; {dense}"
 
 
 def quantize_model(
@@ -344,3 +348,41 @@ def _is_bf16(packed: torch.Tensor | None) -> bool:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
+
+
+def drop_dense_copies(model: LlamaForCausalLM) -> int:
+    """Release the dense weight (and its packed copies) of every layer held as native blocks,
+    and the tied head's packed copy where the head is blocks: the parameter stays, on the meta
+    device, so its shape still checks weight updates (`materialize_dense` brings the values
+    back for one). Returns the bytes released."""
+    released = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.quantized, (BlockInt4, BlockInt8)):
+            weight = module.weight
+            if not weight.is_meta:
+                released += weight.numel() * weight.element_size()
+                empty = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+                module.weight = nn.Parameter(empty, requires_grad=weight.requires_grad)
+            if module.packed_weight is not None:
+                released += module.packed_weight.numel() * module.packed_weight.element_size()
+                module.packed_weight = None
+    if model.lm_head is None and isinstance(model.quantized_head, BlockInt8):
+        model.head_blocks_only = True
+        packed = model.packed_tied_head
+        if packed is not None:
+            released += packed.numel() * packed.element_size()
+            model.packed_tied_head = None
+    return released
+
+
+def materialize_dense(model: LlamaForCausalLM, params: Collection[str]) -> None:
+    """Dense values for the dropped weights among `params` (model parameter names), from
+    their blocks: a weight update writes some rows of a fused weight and keeps the rest."""
+    modules = dict(model.named_modules())
+    for param in params:
+        module = modules.get(param.removesuffix(".weight"))
+        if isinstance(module, Linear) and module.weight.is_meta and module.quantized is not None:
+            blocks = module.quantized
+            assert isinstance(blocks, (BlockInt4, BlockInt8))
+            dense = blocks.dequantize().to(module.weight.dtype)
+            module.weight = nn.Parameter(dense, requires_grad=module.weight.requires_grad)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -28,22 +29,17 @@ from torch import nn
 from forklift.model.gemma3 import Gemma3ForCausalLM
 from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
-from forklift.model.layers.quantized import BLOCK_MAX_ROWS
 from forklift.model.llama import LayerCache, LlamaForCausalLM
+from forklift.model.model_config import ModelConfig
 from forklift.native.build import load_native_library
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 from forklift.native.quant_matmul import BlockInt4, BlockInt8
 
 PROFILER_NAME = "forklift::native_decode_step"
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# Most rows one native step runs; larger decode steps take the PyTorch path (dense bf16
-# through oneDNN, which wins from about 64 rows at a context of 564). Twice the block
-# kernels' limit in the PyTorch layers (BLOCK_MAX_ROWS): with no Python between layers the
-# step still pays at 17-32 rows, where offline throughput on a Sapphire Rapids CPU measured
-# 616 tok/s at a limit of 16, 638 at 24 and 660 at 32.
-NATIVE_STEP_MAX_ROWS = 2 * BLOCK_MAX_ROWS
-# Most rows of a step on dense bf16 weights (AMX tiles): an RL rollout's 8 prompts x 8
-# samples in one step.
+# Most rows of a step on dense bf16 weights (AMX tiles), which run decode steps only (prefill
+# chunks take oneDNN's GEMM on the same weights): an RL rollout's 8 prompts x 8 samples in
+# one step. Block weights run every step whole, at any number of rows.
 DENSE_STEP_MAX_ROWS = 64
 
 
@@ -251,6 +247,7 @@ class StepBinding:
         kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         dtype = model.embed_tokens.weight.dtype
         self.vocab = config.vocab_size
+        self.hidden = config.hidden_size
         gemma = isinstance(model, Gemma3ForCausalLM)
         global_rope = (model.rotary.cos.contiguous(), model.rotary.sin.contiguous())
         local_rope = (
@@ -266,7 +263,7 @@ class StepBinding:
             packs, self.dense_buffer = pack_dense_all(list(dense.values()), dense_buffer)
             self._dense = {name: DenseTiles(p, *w.shape)
                            for (name, w), p in zip(dense.items(), packs, strict=True)}  # fmt: skip
-        self.max_rows = NATIVE_STEP_MAX_ROWS if dense is None else DENSE_STEP_MAX_ROWS
+        self.max_rows: int | None = None if dense is None else DENSE_STEP_MAX_ROWS
 
         def weight(quantized: object, name: str) -> _QuantWeight:
             return _quant_weight(quantized if dense is None else self._dense[name])
@@ -315,6 +312,39 @@ class StepBinding:
         )  # fmt: skip
 
 
+# Most rows of one attention task (csrc/decode_step.c's PIECE_MAX_ROWS).
+_PIECE_MAX_ROWS = 32
+# Positions of one attention chunk (csrc/attention_tiles.h's ATTENTION_CHUNK).
+_ATTENTION_CHUNK = 1024
+
+
+def native_step_peak_bytes(
+    config: ModelConfig,
+    rows: int,
+    sampled_rows: int,
+    max_context: int,
+    block_size: int,
+    num_groups: int,
+) -> int:
+    """What a native step of `rows` tokens holds at its peak beyond weights and cache: its
+    activations and int8 rows (csrc/decode_step.c), every thread's attention scores, the
+    per-token block tables and masks the runner builds, and the logits of `sampled_rows`
+    with the sampler's sorted copies of them."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    widest = max(hidden, inter, q_size)
+    activations = 4 * (rows * (2 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) + widest)
+    int8_rows = 2 * rows * (widest + 12 * widest // 32 + 32)
+    group = config.num_heads // config.num_kv_heads
+    scores = 4 * _PIECE_MAX_ROWS * group * min(max_context, _ATTENTION_CHUNK) * os.cpu_count()
+    chunks = -(-max_context // _ATTENTION_CHUNK)
+    parts = 4 * rows * config.num_heads * chunks * (head_dim + 2) if chunks > 1 else 0
+    width = -(-max_context // block_size)
+    tables = num_groups * rows * width * (8 + 4 * block_size)
+    logits = 3 * 4 * min(sampled_rows, rows) * config.vocab_size
+    return activations + int8_rows + scores + parts + tables + logits
+
+
 @dataclass(frozen=True)
 class StepTimings:
     """Seconds native steps spent, summed over the steps timed."""
@@ -332,7 +362,7 @@ class NativeDecodeStep:
         function.argtypes = [
             ctypes.POINTER(_StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_StepGroup), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -369,13 +399,18 @@ class NativeDecodeStep:
         positions: torch.Tensor,
         groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         row_lora: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [rows, vocab] float32 of one decode token per row; K/V written in place.
-        `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
-        `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter."""
+        logit_rows: torch.Tensor | None = None,
+        keep_hidden: bool = False,
+    ) -> StepOutput:
+        """One token per row (a decode row, or one token of a prompt chunk); K/V written in
+        place. `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
+        `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter;
+        `logit_rows`: the rows whose logits are wanted, ascending (None: every row);
+        `keep_hidden`: also return every row's final normed hidden state."""
         rows = input_ids.shape[0]
-        if not 0 < rows <= binding.max_rows:
-            raise ValueError(f"this native step runs 1-{binding.max_rows} rows, got {rows}")
+        limit = binding.max_rows
+        if rows <= 0 or (limit is not None and rows > limit):
+            raise ValueError(f"this native step runs 1-{limit or 'any'} rows, got {rows}")
         if len(groups) < binding.num_groups:
             raise ValueError(f"the model reads {binding.num_groups} KV groups, got {len(groups)}")
         ids = input_ids.to(torch.int64).contiguous()
@@ -394,16 +429,35 @@ class NativeDecodeStep:
         if row_lora is not None:
             lora_rows = row_lora.to(torch.int64).contiguous()
             kept.append(lora_rows)
-        logits = torch.empty(rows, binding.vocab, dtype=torch.float32)
+        if logit_rows is None:
+            logit_rows = torch.arange(rows, dtype=torch.int64)
+        logit_rows = logit_rows.to(torch.int64).contiguous()
+        if logit_rows.numel() and (
+            int(logit_rows[0]) < 0 or int(logit_rows[-1]) >= rows
+            or bool((logit_rows[1:] <= logit_rows[:-1]).any())
+        ):  # fmt: skip
+            raise ValueError("logit_rows must be ascending rows of the step")
+        logits = torch.empty(logit_rows.numel(), binding.vocab, dtype=torch.float32)
+        hidden = torch.empty(rows, binding.hidden, dtype=torch.float32) if keep_hidden else None
         profiling = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function(PROFILER_NAME) if profiling else nullcontext():
             failed = self._function(
                 ctypes.byref(binding.model), rows, ids.data_ptr(), positions.data_ptr(),
                 group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
-                None if lora_rows is None else lora_rows.data_ptr(),
+                None if lora_rows is None else lora_rows.data_ptr(), logit_rows.data_ptr(),
+                logit_rows.numel(), None if hidden is None else hidden.data_ptr(),
             )  # fmt: skip
         if failed == 2:
             raise RuntimeError("dense bf16 weights bound to a step library without AMX tiles")
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
-        return logits
+        return StepOutput(logits, hidden)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A native step's results: logits of the rows asked for; every row's final normed
+    hidden state where asked."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None

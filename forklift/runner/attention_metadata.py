@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -156,3 +158,53 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if array.dtype.kind in "iu":
         array = array.astype(np.int64, copy=False)
     return torch.from_numpy(array).to(device)
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """One KV group's metadata for the native step, one row per token: each row reads its
+    sequence's blocks from block 0 (so positions, and the attention kernel's chunks of them,
+    are the same whatever else the step holds), masked to the positions its token sees."""
+
+    slot_mapping: torch.Tensor  # [tokens]: where each token's K/V goes
+    kv_blocks: torch.Tensor  # [tokens, width]: its sequence's blocks, padding -> block 0
+    bias: torch.Tensor  # [tokens, width * block_size] float32: 0 where it attends, else -inf
+
+
+def build_row_attention(
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    tables: list[np.ndarray],
+    windows: list[int | None],
+    block_size: int,
+    device: torch.device,
+) -> tuple[list[RowAttention], np.ndarray]:
+    """Sequence s computes tokens [starts[s], starts[s] + query_lens[s]); token t at position
+    p attends to positions [0, p], or with a window to (p - window, p]. One entry per KV
+    group (`tables[g]`: [seqs, table width] block ids, `windows[g]`), and each token's
+    position."""
+    seq_of_token = np.repeat(np.arange(len(starts)), query_lens)
+    first_token = np.cumsum(query_lens) - query_lens
+    positions = starts[seq_of_token] + np.arange(len(seq_of_token)) - first_token[seq_of_token]
+    width = int((starts + query_lens).max() + block_size - 1) // block_size
+    columns = np.arange(width * block_size)
+    groups = []
+    for table, window in zip(tables, windows, strict=True):
+        slot_mapping = table[seq_of_token, positions // block_size] * block_size + (
+            positions % block_size
+        )
+        blocks = np.zeros((len(starts), width), dtype=np.int64)
+        reach = min(width, table.shape[1])
+        blocks[:, :reach] = table[:, :reach]
+        visible = columns[None, :] <= positions[:, None]
+        if window is not None:
+            visible &= columns[None, :] > positions[:, None] - window
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf))
+        groups.append(
+            RowAttention(
+                _tensor(slot_mapping, device),
+                _tensor(blocks[seq_of_token], device),
+                torch.from_numpy(bias).to(device),
+            )
+        )
+    return groups, positions

@@ -49,8 +49,10 @@ def total_device_memory(device: torch.device) -> int:
 
 
 def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers; those on the meta device hold none (a
+    dense weight dropped for its blocks)."""
     tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
 def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:

@@ -24,6 +24,8 @@ from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
     QuantizationReport,
+    drop_dense_copies,
+    materialize_dense,
     quantize_model,
     requantize,
 )
@@ -35,15 +37,20 @@ from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import (
     DENSE_STEP_MAX_ROWS,
-    NATIVE_STEP_MAX_ROWS,
     NativeDecodeStep,
     StepBinding,
     dense_tile_bytes,
+    native_step_peak_bytes,
     unsupported_reason,
 )
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
-from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS, build_attention_metadata
+from forklift.runner.attention_metadata import (
+    DECODE_MIN_BLOCKS,
+    RowAttention,
+    build_attention_metadata,
+    build_row_attention,
+)
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.draft_rows import expand_draft_rows
@@ -75,7 +82,9 @@ logger = logging.getLogger("forklift")
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    # The PyTorch layers' attention metadata; None for a step the native step runs, which
+    # reads `row_attention` instead.
+    meta: AttentionMetadata | None
     # Flat index of the last token of each sequence that samples this step.
     sample_index: torch.Tensor
     # Blocks this step reads for the first time since the cache was allocated: zeroed first,
@@ -91,6 +100,8 @@ class StepInputs:
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
     prompt_top: int = 0
+    # The native step's attention, one row per token, per KV group.
+    row_attention: list[RowAttention] | None = None
 
 
 @dataclass
@@ -146,6 +157,7 @@ class ModelRunner:
         if lora is not None:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
         self.native_step = self._load_native_step()
+        self._drop_dense_copies()
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
         self._step_binding: StepBinding | None = None  # bound on the first native step
@@ -190,9 +202,18 @@ class ModelRunner:
         (`extra_*`) come out of the same budget."""
         peak = 0
         if kv_cache_memory_bytes is None and num_blocks_override is None:
-            peak = measure_peak_bytes(
-                lambda: self._profile_forward(max_num_batched_tokens, max_num_seqs), self.device
-            )
+            if self.native_step is not None and not self._dense_step:
+                # Its scratch is a formula of the rows (a full-budget step would cost
+                # seconds of start-up to measure).
+                peak = native_step_peak_bytes(
+                    self.model.config, max_num_batched_tokens, max_num_seqs,
+                    self.max_model_len, self.block_size, len(self.kv_layout.windows),
+                )  # fmt: skip
+            else:
+                peak = measure_peak_bytes(
+                    lambda: self._profile_forward(max_num_batched_tokens, max_num_seqs),
+                    self.device,
+                )
         return plan_kv_cache(
             model_config=self.model.config,  # this rank's KV heads
             dtype=self.dtype,
@@ -220,11 +241,12 @@ class ModelRunner:
         return self.native_step is not None and self.quant_kernel is None
 
     @property
-    def native_step_max_rows(self) -> int:
-        """Most rows a native step runs (0: none): block weights' limit, or dense tiles'."""
+    def native_step_max_rows(self) -> int | None:
+        """Most rows a native step runs: 0 without one, None (any) on block weights, dense
+        tiles' limit on those."""
         if self.native_step is None:
             return 0
-        return DENSE_STEP_MAX_ROWS if self._dense_step else NATIVE_STEP_MAX_ROWS
+        return DENSE_STEP_MAX_ROWS if self._dense_step else None
 
     @property
     def _dense_tile_bytes(self) -> int:
@@ -268,6 +290,14 @@ class ModelRunner:
             return "native step"
         return "native matmuls" if self.quant_kernel is not None else "torch"
 
+    def _drop_dense_copies(self) -> None:
+        """Where the native step runs every step on the blocks, the dense copies of block
+        weights serve nothing: release them (the memory plan then counts the blocks)."""
+        if self.native_step is None or self._dense_step:
+            return
+        drop_dense_copies(self.model)
+        self.quantization_report.dense_bytes = 0
+
     def _load_native_step(self) -> NativeDecodeStep | None:
         """One native call per decode step where the model and its weights allow it: block-
         quantized weights, or dense bf16 ones where the CPU has AMX tiles."""
@@ -280,7 +310,7 @@ class ModelRunner:
         if step is None:
             logger.info("decode step: PyTorch layers with native block matmuls (%s)", reason)
         else:
-            logger.info("decode step: one native call for up to %d rows", NATIVE_STEP_MAX_ROWS)
+            logger.info("every step: one native call on the block weights (any rows)")
         return step
 
     def _load_dense_native_step(self) -> NativeDecodeStep | None:
@@ -497,6 +527,7 @@ class ModelRunner:
     def reload_weights(self) -> None:
         """Rebuild the model from the original weights."""
         self.model = self._build_model()
+        self._drop_dense_copies()
         self._weight_updater = WeightUpdater(self.model)
         self._reset_captures()  # captures hold the old parameters' addresses
 
@@ -510,10 +541,13 @@ class ModelRunner:
     @mirrored
     def commit_weights(self) -> int:
         changed = self._weight_updater.staged_params
+        # Dropped dense weights come back from their blocks for the rows the update keeps.
+        materialize_dense(self.model, changed)
         applied = self._weight_updater.commit()
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()
         requantize(self.model, changed, self.quant_kernel)
+        self._drop_dense_copies()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
             self._bind_native_step()
@@ -558,6 +592,7 @@ class ModelRunner:
             kv_width=kv_width,
             state_copies=state_copies,
             block_copies=block_copies,
+            native=native,
         )
         sampled_items = [chunk_of[i] for i, row in enumerate(rows) if row.samples]
         logits, scores = self.forward_step(inputs, key, native)
@@ -592,7 +627,7 @@ class ModelRunner:
                 for source, target in inputs.block_copies.tolist():
                     cache[:, :, :, target].copy_(cache[:, :, :, source])
             if native:
-                return self._native_forward(inputs), None
+                return self._native_forward(inputs)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -616,27 +651,41 @@ class ModelRunner:
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
 
     def _runs_native_step(self, scheduled: list[ScheduledChunk]) -> bool:
-        """A decode step of few rows, each sampling its one new token, scoring no prompt."""
-        return (
-            self.native_step is not None
-            and 0 < len(scheduled) <= self.native_step_max_rows
-            and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt
-                    for s in scheduled)
-        )  # fmt: skip
+        """Every step of a model on block weights (one arithmetic whatever the step holds);
+        on dense bf16 tiles, a decode step of few rows, each sampling its one new token."""
+        if self.native_step is None or not scheduled:
+            return False
+        if not self._dense_step:
+            return True
+        return len(scheduled) <= DENSE_STEP_MAX_ROWS and all(
+            s.num_new_tokens == 1 and s.samples and not s.scores_prompt for s in scheduled
+        )
 
-    def _native_forward(self, inputs: StepInputs) -> torch.Tensor:
-        assert self.native_step is not None
+    def _native_forward(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        assert self.native_step is not None and inputs.row_attention is not None
         self._bind_native_step()  # again after the weights or the cache changed
+        assert self._step_binding is not None
         self.native_steps += 1
-        groups = [
-            (meta.slot_mapping, meta.groups[0].kv_blocks, meta.groups[0].mask)
-            for meta in inputs.meta.kv_groups or [inputs.meta]
-        ]
+        groups = [(g.slot_mapping, g.kv_blocks, g.bias) for g in inputs.row_attention]
         rows = self.lora.context.rows if self.lora is not None else None
         row_lora = rows.token_slots if rows is not None else None
-        return self.native_step(
-            self._step_binding, inputs.input_ids, inputs.positions, groups, row_lora
-        )
+        scoring = inputs.prompt_rows is not None and inputs.prompt_targets is not None
+        output = self.native_step(
+            self._step_binding, inputs.input_ids, inputs.positions, groups, row_lora,
+            logit_rows=inputs.sample_index, keep_hidden=scoring,
+        )  # fmt: skip
+        scores = None
+        if scoring:
+            assert output.hidden is not None
+            scores = score_prompt_rows(
+                self.model.compute_logits,
+                output.hidden[inputs.prompt_rows],
+                inputs.prompt_targets,
+                inputs.prompt_top,
+            )
+        return (output.logits if inputs.sample_index.numel() else None), scores
 
     def _copy_states(self, copies: torch.Tensor) -> None:
         source, target = copies[:, 0], copies[:, 1]
@@ -686,9 +735,11 @@ class ModelRunner:
         kv_width: int = 0,
         state_copies: Sequence[tuple[int, int]] = (),
         block_copies: Sequence[tuple[int, int]] = (),
+        native: bool = False,
     ) -> StepInputs:
         """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
-        block (they sample nothing); `kv_width` widens the key tensors to a fixed size."""
+        block (they sample nothing); `kv_width` widens the key tensors to a fixed size;
+        `native`: the native step's per-token attention instead of the PyTorch layers'."""
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
         query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         ids = np.concatenate([np.asarray(s.token_ids) for s in scheduled]).astype(np.int64)
@@ -701,15 +752,23 @@ class ModelRunner:
             ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
             sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
         tables = _group_tables(scheduled, rows, len(self.kv_layout.windows))
-        meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
+        row_attention = None
+        if native:
+            meta = None
+            row_attention, positions = build_row_attention(
+                starts, query_lens, tables, self._group_windows, self.block_size, self.device
+            )
+        else:
+            meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
         count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
         slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
         # Rows verifying a hybrid's drafts read the state the row before them writes.
         continues = np.array([s.state_read_slot >= 0 for s in scheduled], dtype=bool)
         reads = np.where(continues, [s.state_read_slot for s in scheduled], slots)
-        meta.linear = self._linear_metadata(
-            starts[:count], query_lens[:count], slots, reads, continues
-        )
+        if meta is not None:
+            meta.linear = self._linear_metadata(
+                starts[:count], query_lens[:count], slots, reads, continues
+            )
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
         if block_pairs.size and self._unwritten_blocks.size:
@@ -729,6 +788,7 @@ class ModelRunner:
             block_copies=(
                 torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
             ),
+            row_attention=row_attention,
         )
         asked = prompt_rows_of(scheduled, ends - query_lens)
         if asked is not None:
@@ -736,6 +796,12 @@ class ModelRunner:
             inputs.prompt_rows = torch.from_numpy(rows).to(self.device)
             inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
         return inputs
+
+    @property
+    def _group_windows(self) -> list[int | None]:
+        """Each KV group's window (Mistral's uniform one for the first)."""
+        windows = list(self.kv_layout.windows)
+        return [self.sliding_window or windows[0], *windows[1:]]
 
     def _attention_metadata(
         self,

@@ -88,7 +88,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized
-        if quantized is not None and x.shape[0] <= quantized.max_rows and x.dim() == 2:
+        # Without a dense weight (dropped: see model/quantize.py) the blocks take every step.
+        if (
+            quantized is not None
+            and x.dim() == 2
+            and (x.shape[0] <= quantized.max_rows or self.weight.is_meta)
+        ):
             out = quantized_linear(x, quantized, self.bias)
         else:
             out = packed_linear(x, self.weight, self.packed_weight, self.bias)

@@ -177,15 +177,23 @@ static void gelu_tanh_mul(const float *gate, const float *up, int64_t n, float *
  * (row, adapted rank), each A row read once for all rows of its slot; the expansion runs
  * along B's rows ([rank, out] per slot), so its inner loop is a plain multiply-add over
  * contiguous outputs. One parallel region: shrink, barrier,
- * expansion in chunks of outputs. */
-static void lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t out,
-                     int64_t rows, const int64_t *row_lora, float *y, int num_threads) {
-    if (lora->a == NULL || row_lora == NULL) return;
+ * expansion in chunks of outputs. Returns 1 when its scratch could not be allocated. */
+static int lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t out,
+                    int64_t rows, const int64_t *row_lora, float *y, int num_threads) {
+    if (lora->a == NULL || row_lora == NULL) return 0;
     const int64_t slices = lora->slices, max_rank = lora->max_rank, width = slices * max_rank;
     const int64_t *ranks = lora->ranks, *starts = lora->slice_starts;
     /* The shrink's tasks: each (slot in use, adapted rank), so an A row is read once for
      * all the rows of its slot and the threads share the work evenly. */
-    int64_t task_slot[rows * width], task_column[rows * width], tasks = 0;
+    /* On the heap: a prefill chunk's rows times the ranks would overflow a thread's stack. */
+    int64_t *task_slot = malloc(sizeof(int64_t) * (size_t)(2 * rows * width));
+    float *shrunk = malloc(sizeof(float) * (size_t)(rows * width));
+    if (task_slot == NULL || shrunk == NULL) {
+        free(task_slot);
+        free(shrunk);
+        return 1;
+    }
+    int64_t *task_column = task_slot + rows * width, tasks = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t slot = row_lora[r];
         int64_t earlier = 0;
@@ -197,8 +205,11 @@ static void lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t o
                 task_column[tasks++] = column;
             }
     }
-    if (tasks == 0) return;
-    float shrunk[rows * width];
+    if (tasks == 0) {
+        free(task_slot);
+        free(shrunk);
+        return 0;
+    }
     const int64_t chunks = (out + LORA_OUTPUT_CHUNK - 1) / LORA_OUTPUT_CHUNK;
 #pragma omp parallel num_threads(num_threads) if (rows * (in + out) * max_rank > 32768)
     {
@@ -231,6 +242,9 @@ static void lora_add(const StepLoRA *lora, const float *x, int64_t in, int64_t o
             }
         }
     }
+    free(task_slot);
+    free(shrunk);
+    return 0;
 }
 
 /* Rotate-half rotary on the first `rotary_dim` values of one head. */
@@ -243,8 +257,13 @@ static inline void rotate(float *head, const float *cos, const float *sin, int64
     }
 }
 
+/* Most rows of one attention task: a prefill chunk's rows share its blocks, and a task's
+ * scores ([rows x query heads per KV head, positions]) should stay within L2. */
+#define PIECE_MAX_ROWS 32
+
 /* Attention tasks: runs of consecutive rows reading the same blocks (a sequence's rows
- * verifying its drafts share every key and value row loaded), cut into pieces so that the
+ * verifying its drafts or computing a prompt chunk share every key and value row loaded),
+ * at most PIECE_MAX_ROWS long, cut into pieces so that the
  * threads get at least two tasks each where the rows allow, times the KV heads. first[i]
  * and length[i] describe piece i; returns the number of pieces. */
 static int64_t attention_pieces(const int64_t *blocks, int64_t rows, int64_t table_width,
@@ -253,7 +272,8 @@ static int64_t attention_pieces(const int64_t *blocks, int64_t rows, int64_t tab
     int64_t runs = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *table = blocks + r * table_width;
-        if (r > 0 && memcmp(table, table - table_width, sizeof(int64_t) * table_width) == 0) {
+        if (r > 0 && length[runs - 1] < PIECE_MAX_ROWS &&
+            memcmp(table, table - table_width, sizeof(int64_t) * table_width) == 0) {
             length[runs - 1]++;
         } else {
             first[runs] = r;
@@ -331,14 +351,21 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
         if (timings != NULL) timings[slot] += omp_get_wtime() - started_;                 \
     } while (0)
 
-/* Logits [rows, vocab] float32 for one decode token per row. Per KV group: blocks [rows,
- * table_width] and bias [rows, table_width * block_size] as decode_attention.c reads them,
- * and slots: each row's cache slot for its new K/V; timings: NULL, or three sums (see
- * TIMED); row_lora: NULL, or each row's LoRA slot (-1: none). Returns 0, 1 when scratch
- * memory ran out, 2 for dense weights in a build without AMX tiles. */
+/* One token per row: a decode row, a row verifying a draft, or one token of a prompt
+ * chunk (a chunk's rows share its blocks, each row's bias masking the positions after its
+ * own). Per KV group: blocks [rows, table_width] and bias [rows, table_width * block_size] as
+ * decode_attention.c reads them, and slots: each row's cache slot for its new K/V; timings:
+ * NULL, or three sums (see TIMED); row_lora: NULL, or each row's LoRA slot (-1: none).
+ * Writes logits [num_logits, vocab] float32 of rows logit_rows[0..num_logits - 1]
+ * (ascending), and where `hidden_out` is given every row's final normed hidden state
+ * [rows, hidden] float32. A row's results never depend on the other rows: every operation
+ * computes a row alone, or (the matmuls, attention) in one fixed order per row whoever
+ * shares its tiles. Returns 0, 1 when scratch memory ran out, 2 for dense weights in a
+ * build without AMX tiles. */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
-                         int num_threads, double *timings, const int64_t *row_lora) {
+                         int num_threads, double *timings, const int64_t *row_lora,
+                         const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
     const int64_t hidden = m->hidden, head_dim = m->head_dim;
@@ -379,6 +406,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
      * (the reference scales the embedding lookup in the dtype). */
     const float embed_scale = is_bf16 ? bf16_to_float(float_to_bf16(m->embed_scale))
                                       : m->embed_scale;
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i++) {
             float v = load_value(m->embed, ids[r] * hidden + i, is_bf16);
@@ -399,7 +427,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                      normed + r * hidden);
         TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
                              num_threads));
-        TIMED(0, lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
+        TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
                           num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
         const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
@@ -437,7 +465,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
         TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed,
                              num_threads));
-        TIMED(0, lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
+        TIMED(0, failed |= lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
                           num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
@@ -452,7 +480,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         }
         TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up,
                              num_threads));
-        TIMED(0, lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
+        TIMED(0, failed |= lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
                           gate_up, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
@@ -464,7 +492,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         }
         TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed,
                              num_threads));
-        TIMED(0, lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
+        TIMED(0, failed |= lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
                           num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
@@ -474,10 +502,23 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
             for (int64_t i = 0; i < hidden; i++) residual[r * hidden + i] += out[i];
         }
     }
-    for (int64_t r = 0; r < rows; r++)
+    /* Only the rows asked for reach the head (a prompt chunk samples at most its last). */
+    const int all_rows = hidden_out != NULL;
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
+    for (int64_t i = 0; i < (all_rows ? rows : num_logits); i++) {
+        const int64_t r = all_rows ? i : logit_rows[i];
         rms_norm(residual + r * hidden, m->final_norm, hidden, m->eps, is_bf16, offset,
-                 normed + r * hidden);
-    TIMED(0, step_matmul(&m->head, normed, rows, views, rest, dense_x, logits, num_threads));
+                 (all_rows ? hidden_out : normed) + i * hidden);
+    }
+    const float *head_in = normed;
+    if (all_rows) {
+        for (int64_t i = 0; i < num_logits; i++)
+            memcpy(normed + i * hidden, hidden_out + logit_rows[i] * hidden,
+                   sizeof(float) * (size_t)hidden);
+    }
+    if (num_logits > 0)
+        TIMED(0, step_matmul(&m->head, head_in, num_logits, views, rest, dense_x, logits,
+                             num_threads));
     if (timings != NULL) {
         const double timed = timings[0] + timings[1] - timed_before;
         timings[2] += omp_get_wtime() - step_started - timed;

@@ -311,13 +311,19 @@ static inline __attribute__((always_inline)) int attend_rows(
             memcpy(sj + t, &p, sizeof p);
             sums += p;
         }
+        if (t < width) {
+            /* The last partial vector padded with -inf (weight exactly 0): every position is
+             * weighed and summed in its lane t mod LANES as in a wider table, so a row's sum
+             * does not depend on how far the tables of the rows beside it reach. */
+            lane_vector x = {0};
+            x -= INFINITY;
+            memcpy(&x, sj + t, sizeof(float) * (size_t)(width - t));
+            const lane_vector p = exp_nonpositive_lanes(x - m);
+            memcpy(sj + t, &p, sizeof(float) * (size_t)(width - t));
+            sums += p;
+        }
         float sum = 0.0f;
         for (int l = 0; l < LANES; l++) sum += sums[l];
-        for (; t < width; t++) {
-            const float p = sj[t] == -INFINITY ? 0.0f : exp_nonpositive(sj[t] - m);
-            sj[t] = p;
-            sum += p;
-        }
         total[j] = sum;
     }
 

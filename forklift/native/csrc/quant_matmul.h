@@ -314,7 +314,7 @@ static inline void quant_tiles_configure(void) {
 static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
-    int64_t stride, float *sums, int is_q4) {
+    int64_t stride, float *sums, int is_q4, const uint8_t *unpacked) {
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
      * by then the slot's previous block has been scaled. */
@@ -323,10 +323,14 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
         if (b < blocks) {
-            __m512i w[8];
-            fetch_pair_block(codes0, codes1, b, is_q4, w);
-            uint8_t *tile = codes_tile[b & 1];
-            for (int c = 0; c < 8; c++) _mm512_store_si512(tile + 64 * c, w[c]);
+            const uint8_t *tile = unpacked + b * 512;
+            if (unpacked == NULL) {
+                __m512i w[8];
+                fetch_pair_block(codes0, codes1, b, is_q4, w);
+                uint8_t *own = codes_tile[b & 1];
+                for (int c = 0; c < 8; c++) _mm512_store_si512(own + 64 * c, w[c]);
+                tile = own;
+            }
             if (b & 1)
                 QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
             else
@@ -450,7 +454,7 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
  * as group_pair_tiles does. */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, int64_t tile_stride) {
+                                        int64_t fold, int64_t tile_stride, uint8_t *unpacked) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -458,6 +462,22 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const uint16_t *d = w->d + g * blocks * 8;
     const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
     const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
+#if defined(FORKLIFT_QUANT_TILES)
+    /* Several tiles of rows: the pair's blocks unpacked once for all of them, so the tiles
+     * read codes written long before (a tile load right after the stores that fill it waits
+     * for them). */
+    const uint8_t *ready = NULL;
+    if (tile_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
+        for (int64_t b = 0; b < blocks; b++) {
+            __m512i v[8];
+            fetch_pair_block(codes, codes + group_bytes, b, is_q4, v);
+            for (int c = 0; c < 8; c++) _mm512_store_si512(unpacked + b * 512 + 64 * c, v[c]);
+        }
+        ready = unpacked;
+    }
+#else
+    (void)unpacked;
+#endif
     for (int64_t r0 = 0; r0 < rows;) {
 #if defined(FORKLIFT_QUANT_TILES)
         /* A tile may span both halves of precise rows: rows are stored in order, each
@@ -466,10 +486,10 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
             float sums[16 * QUANT_TILE_ROWS];
             if (is_q4)
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                 m + blocks * 8, blocks, x + r0, tile_stride, sums, 1);
+                                 m + blocks * 8, blocks, x + r0, tile_stride, sums, 1, ready);
             else
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                 blocks, x + r0, tile_stride, sums, 0);
+                                 blocks, x + r0, tile_stride, sums, 0, ready);
             for (int t = 0; t < QUANT_TILE_ROWS; t++)
                 store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
                                 second_width);
@@ -525,6 +545,23 @@ static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow
     return (int8_t *)scales;
 }
 
+/* Rows from which activation rows are quantized on every thread. */
+#define QUANTIZE_PARALLEL_ROWS 16
+
+/* Row r of x quantized into views[r], and for a precise weight what its rounding left into
+ * views[rows + r] (`rest`: k floats of scratch). Not contracted either: the residual is the
+ * same whichever loop calls this. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_precise_row(const float *x, int64_t k, QuantizedRow *views,
+                                        int64_t rows, int64_t r, int precise, float *rest) {
+    quantize_row(x, k, views[r]);
+    if (!precise) return;
+    for (int64_t i = 0; i < k; i++) rest[i] = x[i] - (float)views[r].q[i] * views[r].xd[i / QK];
+    quantize_row(rest, k, views[rows + r]);
+}
+
 /* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
  * values and `rest` k floats (a precise weight's second rows); the weight's row groups are
  * split among the threads, each block read once for every row. */
@@ -532,12 +569,19 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
                                      QuantizedRow *views, float *rest, float *out,
                                      int num_threads) {
     const int64_t k = w->k;
-    for (int64_t r = 0; r < rows; r++) {
-        quantize_row(x + r * k, k, views[r]);
-        if (!w->precise) continue;
-        for (int64_t i = 0; i < k; i++)
-            rest[i] = x[r * k + i] - (float)views[r].q[i] * views[r].xd[i / QK];
-        quantize_row(rest, k, views[rows + r]);
+    /* Each row is quantized on its own, so how the rows are shared among the threads never
+     * changes a row's codes; a prefill chunk's hundreds of rows spent a third of a step
+     * here on one thread. `rest` serves one row at a time below QUANTIZE_PARALLEL_ROWS,
+     * else each precise row's residual is quantized through its own second row's floats. */
+    if (rows < QUANTIZE_PARALLEL_ROWS) {
+        for (int64_t r = 0; r < rows; r++) quantize_precise_row(x + r * k, k, views, rows, r,
+                                                                w->precise, rest);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < rows; r++) {
+            float residual[w->precise ? k : 1];
+            quantize_precise_row(x + r * k, k, views, rows, r, w->precise, residual);
+        }
     }
     const int64_t active = w->precise ? 2 * rows : rows, fold = w->precise ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
@@ -553,8 +597,12 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
+        uint8_t *unpacked = NULL;
 #if defined(FORKLIFT_QUANT_TILES)
         if (tile_stride) quant_tiles_configure();
+        /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
+        if (tile_stride && active >= 2 * QUANT_TILE_ROWS)
+            unpacked = aligned_alloc(64, (size_t)(k / QK) * 512);
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
@@ -563,7 +611,8 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
             if (g + 1 < end) {
-                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tile_stride);
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tile_stride,
+                                     unpacked);
                 continue;
             }
 #endif
@@ -572,6 +621,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #if defined(FORKLIFT_QUANT_TILES)
         if (tile_stride) _tile_release();
 #endif
+        free(unpacked);
     }
 }
 

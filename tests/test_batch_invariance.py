@@ -1,0 +1,121 @@
+"""One forward for every step: a request's tokens and logprobs are bitwise the same whatever
+shares its steps, however its prompt was chunked, and whatever of it the prefix cache held.
+
+Every step of a model on native block weights runs the native step (prefill chunks, decode
+rows, mixed steps), and each of its operations computes a row alone or in one fixed order
+per row, so these comparisons are exact (==), not within a tolerance."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_tiny_model
+
+from forklift import LLM, SamplingParams
+from forklift.native import build as native_build
+
+pytestmark = pytest.mark.skipif(
+    native_build.find_compiler() is None, reason="no C compiler on this machine"
+)
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _tiny_engine(path, **kwargs) -> LLM:
+    common = dict(model=str(path), dtype="float32", quantization="int4", max_model_len=512,
+                  block_size=4, kv_cache_memory_bytes=2**21, max_num_seqs=64)  # fmt: skip
+    return LLM(**{**common, **kwargs})
+
+
+def _result(llm: LLM, prompt: list[int], params: SamplingParams, others=()):
+    """The target's (tokens, logprobs) run beside `others` (prompts submitted with it)."""
+    requests = [{"prompt_token_ids": prompt}] + [{"prompt_token_ids": p} for p in others]
+    out = llm.generate(requests, params, use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+
+def _prompt(length: int, salt: int = 0) -> list[int]:
+    return [3 + (7 * i + 5 * salt) % 90 for i in range(length)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(request.param, path)
+    return path
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_same_tokens_beside_others_chunked_and_cached(tiny, params):
+    prompt = _prompt(60)
+    alone = _result(_tiny_engine(tiny), prompt, params)
+    assert len(alone[0]) == params.max_tokens
+    busy = _tiny_engine(tiny)
+    for count in (1, 7, 40):  # prefills and decodes of others in the same steps
+        others = [_prompt(5 + 3 * i, salt=i + 1) for i in range(count)]
+        assert _result(busy, prompt, params, others) == alone, f"beside {count} others"
+    for chunk in (16, 256):
+        chunked = _tiny_engine(tiny, max_num_batched_tokens=chunk, max_num_seqs=16)
+        assert _result(chunked, prompt, params) == alone, f"chunked at {chunk}"
+    for cached in (16, 32, 48):
+        llm = _tiny_engine(tiny, enable_prefix_caching=True)
+        _result(llm, prompt[:cached] + _prompt(4, salt=9), GREEDY)
+        got = _result(llm, prompt, params)
+        assert llm.llm_engine.prefix_cache_stats().hit_tokens >= cached
+        assert got == alone, f"{cached} tokens cached"
+
+
+def test_same_tokens_under_preemption(tiny):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    prompt = _prompt(12)
+    alone = _result(_tiny_engine(tiny), prompt, params)
+    # Room for a few sequences only: they are admitted short, and their growth preempts and
+    # recomputes some of them.
+    tight = _tiny_engine(tiny, kv_cache_memory_bytes=None, num_gpu_blocks_override=36,
+                         max_model_len=64)  # fmt: skip
+    others = [_prompt(10, salt=i + 1) for i in range(7)]
+    assert _result(tight, prompt, params, others) == alone
+    assert tight.llm_engine.stats().num_preemptions > 0
+
+
+def test_a_second_turn_reads_the_first_turns_output_alike(tiny):
+    """A chat's next turn: the first turn's output cached (computed as decode rows) or
+    recomputed as prompt, the second turn's tokens are the same."""
+    first = _prompt(20)
+    cached = _tiny_engine(tiny, enable_prefix_caching=True)
+    reply, _ = _result(cached, first, GREEDY)
+    second = first + list(reply) + _prompt(6, salt=3)
+    with_cache = _result(cached, second, GREEDY)
+    assert cached.llm_engine.prefix_cache_stats().hit_tokens >= 28
+    assert with_cache == _result(_tiny_engine(tiny), second, GREEDY)
+
+
+def test_every_step_runs_the_native_step(tiny, monkeypatch):
+    llm = _tiny_engine(tiny, max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: steps.append(1) or execute(*a, **k))
+    _result(llm, _prompt(70), GREEDY, [_prompt(9, salt=1)])
+    # Chunks of 32, mixed steps of a chunk and a decode, then decodes: every one native.
+    assert len(steps) > GREEDY.max_tokens
+    assert runner.native_steps == len(steps)
+
+
+def test_default_model_is_batch_invariant(default_source):
+    """The GGUF default model at its own precision, beside others and from the cache."""
+    def engine(**kwargs) -> LLM:
+        return LLM(model=str(default_source.path), max_model_len=512,
+                   kv_cache_memory_bytes=32 * 2**20, **kwargs)  # fmt: skip
+
+    llm = engine(enable_prefix_caching=True)
+    prompt = llm.get_tokenizer().encode("Write a short story about a forklift in a harbour.")
+    prompt = prompt + prompt[1:] + prompt[1:]  # long enough for two cached blocks
+    alone = _result(engine(), prompt, GREEDY)
+    others = [llm.get_tokenizer().encode(f"Count to {i}.") for i in range(7)]
+    assert _result(llm, prompt, GREEDY, others) == alone
+    assert _result(llm, prompt, GREEDY) == alone  # now from the cache
+    assert llm.llm_engine.prefix_cache_stats().hit_tokens >= 32
+    chunked = engine(max_num_batched_tokens=16, max_num_seqs=16)
+    assert _result(chunked, prompt, SEEDED) == _result(engine(), prompt, SEEDED)
