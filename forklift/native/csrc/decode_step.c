@@ -351,21 +351,10 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
         if (timings != NULL) timings[slot] += omp_get_wtime() - started_;                 \
     } while (0)
 
-/* One token per row: a decode row, a row verifying a draft, or one token of a prompt
- * chunk (a chunk's rows share its blocks, each row's bias masking the positions after its
- * own). Per KV group: blocks [rows, table_width] and bias [rows, table_width * block_size] as
- * decode_attention.c reads them, and slots: each row's cache slot for its new K/V; timings:
- * NULL, or three sums (see TIMED); row_lora: NULL, or each row's LoRA slot (-1: none).
- * Writes logits [num_logits, vocab] float32 of rows logit_rows[0..num_logits - 1]
- * (ascending), and where `hidden_out` is given every row's final normed hidden state
- * [rows, hidden] float32. A row's results never depend on the other rows: every operation
- * computes a row alone, or (the matmuls, attention) in one fixed order per row whoever
- * shares its tiles. Returns 0, 1 when scratch memory ran out, 2 for dense weights in a
- * build without AMX tiles. */
-int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
-                         const int64_t *positions, const StepGroup *groups, float *logits,
-                         int num_threads, double *timings, const int64_t *row_lora,
-                         const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
+static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
+                     const int64_t *positions, const StepGroup *groups, float *logits,
+                     int num_threads, double *timings, const int64_t *row_lora,
+                     const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
     const int64_t hidden = m->hidden, head_dim = m->head_dim;
@@ -528,4 +517,59 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     free(scratch);
     free(dense_x);
     return failed;
+}
+
+/* Rows a step computes at a time: every layer of one chunk before the next, so the chunk's
+ * activations stay in cache between operations (a 2048-token prefill spent a quarter of its
+ * time moving fp32 activations through memory in one piece: 1.32x faster in chunks of 256).
+ * A sequence's rows run in order, so a chunk's attention reads the K/V that earlier chunks
+ * wrote; no row's result depends on the chunking. */
+#define STEP_CHUNK_ROWS 256
+
+/* One token per row: a decode row, a row verifying a draft, or one token of a prompt
+ * chunk (a chunk's rows share its blocks, each row's bias masking the positions after its
+ * own). Per KV group: blocks [rows, table_width] and bias [rows, table_width * block_size] as
+ * decode_attention.c reads them, and slots: each row's cache slot for its new K/V; timings:
+ * NULL, or three sums (see TIMED); row_lora: NULL, or each row's LoRA slot (-1: none).
+ * Writes logits [num_logits, vocab] float32 of rows logit_rows[0..num_logits - 1]
+ * (ascending), and where `hidden_out` is given every row's final normed hidden state
+ * [rows, hidden] float32. A row's results never depend on the other rows: every operation
+ * computes a row alone, or (the matmuls, attention) in one fixed order per row whoever
+ * shares its tiles. Returns 0, 1 when scratch memory ran out, 2 for dense weights in a
+ * build without AMX tiles. */
+int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
+                         const int64_t *positions, const StepGroup *groups, float *logits,
+                         int num_threads, double *timings, const int64_t *row_lora,
+                         const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
+    int64_t num_groups = 1;
+    for (int64_t l = 0; l < m->num_layers; l++)
+        if (m->layers[l].group + 1 > num_groups) num_groups = m->layers[l].group + 1;
+    int64_t done_logits = 0;
+    for (int64_t first = 0; first < rows; first += STEP_CHUNK_ROWS) {
+        const int64_t count = rows - first < STEP_CHUNK_ROWS ? rows - first : STEP_CHUNK_ROWS;
+        StepGroup chunk_groups[num_groups];
+        for (int64_t g = 0; g < num_groups; g++) {
+            const StepGroup *group = &groups[g];
+            const int64_t width = group->table_width * m->block_size;
+            chunk_groups[g] = (StepGroup){group->slots + first,
+                                          group->blocks + first * group->table_width,
+                                          group->table_width, group->bias + first * width};
+        }
+        /* This chunk's logit rows, made relative to it. */
+        int64_t chunk_logits = 0;
+        while (done_logits + chunk_logits < num_logits &&
+               logit_rows[done_logits + chunk_logits] < first + count)
+            chunk_logits++;
+        int64_t local_rows[chunk_logits > 0 ? chunk_logits : 1];
+        for (int64_t i = 0; i < chunk_logits; i++)
+            local_rows[i] = logit_rows[done_logits + i] - first;
+        const int failed = step_rows(
+            m, count, ids + first, positions + first, chunk_groups,
+            logits + done_logits * m->vocab, num_threads, timings,
+            row_lora == NULL ? NULL : row_lora + first, local_rows, chunk_logits,
+            hidden_out == NULL ? NULL : hidden_out + first * m->hidden);
+        if (failed) return failed;
+        done_logits += chunk_logits;
+    }
+    return 0;
 }

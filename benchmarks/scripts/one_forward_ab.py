@@ -1,0 +1,168 @@
+"""One forward for every step against a revision before it, side by side on the default
+model: prefill, offline throughput, batch-8 decode, resident weights, and how often a
+temperature-0 answer changes with what shares its batch or what the cache holds.
+
+Each measurement runs in a fresh process per revision (the revision's checkout first on
+PYTHONPATH), the revisions alternating round by round; the report gives each round's
+ratio and their median.
+
+    .venv/bin/python benchmarks/scripts/one_forward_ab.py --baseline 2ef5837 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from results import command_line, write_results
+from revision_build import ROOT
+
+from forklift.bench.report import cpu_flags
+
+# What one child process measures; it prints one JSON object.
+CHILD = r"""
+import json, os, resource, statistics, sys, time
+import numpy as np
+from forklift import LLM, SamplingParams
+from forklift.bench.workload import offline_mixed
+
+kind = sys.argv[1]
+llm = LLM(max_model_len=2048, enable_prefix_caching=False)
+runner = llm.llm_engine.runner
+result = {"weight_bytes": runner.weight_bytes,
+          "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+rng = np.random.default_rng(0)
+one = SamplingParams(max_tokens=1, temperature=0)
+if kind == "prefill":
+    times = []
+    for _ in range(4):
+        prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 512)]}
+                   for _ in range(4)]
+        start = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    result["tok_s"] = 4 * 512 / statistics.median(times[1:])
+elif kind == "offline":
+    work = offline_mixed(32, (128,))
+    convs = [[{"role": "user", "content": text}] for text, _ in work]
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    llm.chat(convs[:4], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result["tok_s"] = tokens / (time.perf_counter() - start)
+elif kind == "decode8":
+    prompt = [int(t) for t in rng.integers(100, 40000, 564)]
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt[:-8] + [int(t) for t in rng.integers(100, 40000, 8)]}
+               for _ in range(8)]
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    result["tok_s"] = 8 * 128 / (time.perf_counter() - start)
+elif kind == "invariance":
+    # The same temperature-0 chat turn alone, beside 7 others, and after a request that left
+    # part of it in the prefix cache: how many of the comparisons differ.
+    cached = LLM(max_model_len=2048, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    work = offline_mixed(10, (24,))
+    differ = 0
+    for i, (text, _) in enumerate(work):
+        conv = [{"role": "user", "content": text}]
+        alone = llm.chat([conv], params, use_tqdm=False)[0].outputs[0].text
+        others = [[{"role": "user", "content": t}] for t, _ in work[:i] + work[i + 1:i + 8]]
+        batched = llm.chat([conv] + others, params, use_tqdm=False)[0].outputs[0].text
+        cached.chat([[{"role": "user", "content": text + " Please."}]], params, use_tqdm=False)
+        hit = cached.chat([conv], params, use_tqdm=False)[0].outputs[0].text
+        differ += (batched != alone) + (hit != alone)
+    result["differ"] = differ
+    result["comparisons"] = 2 * len(work)
+print("RESULT " + json.dumps(result))
+"""
+
+KINDS = ("prefill", "offline", "decode8", "invariance")
+
+
+def run_child(tree: Path, kind: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, "-c", CHILD, kind], cwd=tree, env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="the git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "sapphire-rapids"))
+    parser.add_argument("--name", default="one-forward")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    with tempfile.TemporaryDirectory() as scratch:
+        baseline = Path(scratch) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline],
+                       cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+        try:
+            rounds = {kind: [] for kind in kinds}
+            for _ in range(args.rounds):
+                for kind in kinds:
+                    pair = {"baseline": run_child(baseline, kind), "this": run_child(ROOT, kind)}
+                    rounds[kind].append(pair)
+                    print(kind, json.dumps(pair), flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT,
+                           check=False)  # fmt: skip
+    lines = [
+        "# One forward for every step, against the split paths before it",
+        "",
+        f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} rounds "
+        "(each measurement a fresh process). prefill: 4 prompts of 512 random tokens, one "
+        "output token (median of 3 after a warm-up); offline: 32 chat requests x 128 tokens "
+        "(offline-mixed); decode8: 8 sequences of 564-token prompts decoding 128 tokens each; "
+        "invariance: 10 chat turns of 24 tokens at temperature 0, each alone against beside 7 "
+        "others and after a request that left part of it in the prefix cache.",
+        "",
+        "| what | before | one forward | ratio, median (rounds) |",
+        "|---|---|---|---|",
+    ]
+    for kind in kinds:
+        if kind == "invariance":
+            sides = [rounds[kind][0][side] for side in ("baseline", "this")]
+            cells = [f"{r['differ']} of {r['comparisons']}" for r in sides]
+            lines.append(f"| temperature-0 answers that changed | {cells[0]} | {cells[1]} | |")
+            continue
+        ratios = [p["this"]["tok_s"] / p["baseline"]["tok_s"] for p in rounds[kind]]
+        base = statistics.median(p["baseline"]["tok_s"] for p in rounds[kind])
+        this = statistics.median(p["this"]["tok_s"] for p in rounds[kind])
+        lines.append(
+            f"| {kind} tok/s | {base:.1f} | {this:.1f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+    first = rounds[kinds[0]][0]
+    mib = [first[side]["weight_bytes"] / 2**20 for side in ("baseline", "this")]
+    rss = [first[side]["rss_bytes"] / 2**20 for side in ("baseline", "this")]
+    lines.append(
+        f"| weights the memory plan counts | {mib[0]:.1f} MiB | {mib[1]:.1f} MiB | "
+        f"{mib[1] / mib[0]:.2f}x |"
+    )
+    lines.append(
+        f"| peak resident size after start-up ({kinds[0]}) | {rss[0]:.0f} MiB | "
+        f"{rss[1]:.0f} MiB | {rss[1] / rss[0]:.2f}x |"
+    )
+    lines.append("")
+    report = {"cpu_flags": sorted(cpu_flags()), "baseline": args.baseline, "rounds": rounds}
+    command = command_line(__file__, "--baseline", args.baseline, "--rounds", args.rounds)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    write_results(Path(args.out_dir), args.name, report, lines, command)
+
+
+if __name__ == "__main__":
+    main()
