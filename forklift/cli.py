@@ -83,6 +83,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse KV blocks of earlier requests with the same prefix (default on)",
     )
+    group.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one forward for every step: answers never depend on the batch or the cache, "
+        "weights held once (default on; --no-batch-invariant prefills on dense copies)",
+    )
     group.add_argument("--gpu-memory-utilization", type=float, default=None)
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument(
@@ -112,6 +119,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         quantization=args.quantization,
         decode_backend=args.decode_backend,
+        batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,

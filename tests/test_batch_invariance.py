@@ -119,3 +119,18 @@ def test_default_model_is_batch_invariant(default_source):
     assert llm.llm_engine.prefix_cache_stats().hit_tokens >= 32
     chunked = engine(max_num_batched_tokens=16, max_num_seqs=16)
     assert _result(chunked, prompt, SEEDED) == _result(engine(), prompt, SEEDED)
+
+
+def test_batch_invariant_off_keeps_dense_copies_for_prefill(tiny):
+    """The opt-out: prefill chunks and large steps on the PyTorch layers' dense copies, the
+    native step for small decode steps only."""
+    llm = _tiny_engine(tiny, batch_invariant=False)
+    runner = llm.llm_engine.runner
+    assert not runner.one_forward and runner.native_step_max_rows == 32
+    assert not runner.model.layers[0].mlp.down_proj.weight.is_meta
+    assert runner.quantization_report.dense_bytes > 0
+    tokens, _ = _result(llm, _prompt(40), GREEDY)
+    assert len(tokens) == GREEDY.max_tokens
+    assert 0 < runner.native_steps < GREEDY.max_tokens  # the decodes, not the prompt
+    one = _tiny_engine(tiny).llm_engine.runner
+    assert one.one_forward and one.weight_bytes < runner.weight_bytes

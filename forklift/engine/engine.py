@@ -196,6 +196,7 @@ class LLMEngine:
             quantization=quantization_plan(source, self.model_config, self.quantization),
             decode_backend=config.decode_backend,
             lora=lora_limits,
+            batch_invariant=config.batch_invariant,
         )
         # Speculation's draft model or MTP layer: its K/V share the target's blocks and budget.
         self.draft_runner: ModelRunner | None = None
@@ -425,6 +426,7 @@ class LLMEngine:
                 plan.state_bytes / 2**20,
             )
         logger.info("%s", self.runner.quantization_report.summary())
+        logger.info("weights resident: %.1f MiB", self.runner.weight_bytes / 2**20)
         spec = self.speculation
         if spec is not None:
             logger.info(

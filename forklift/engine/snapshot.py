@@ -127,6 +127,8 @@ def engine_config(engine: LLMEngine) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
         "decode_path": engine.runner.decode_path,
+        "one_forward": engine.runner.one_forward,
+        "weight_bytes": engine.runner.weight_bytes,
         "device": str(engine.device),
         "block_size": config.block_size,
         "num_blocks": engine.kv_plan.num_blocks,

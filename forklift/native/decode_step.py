@@ -37,9 +37,13 @@ from forklift.native.quant_matmul import BlockInt4, BlockInt8
 
 PROFILER_NAME = "forklift::native_decode_step"
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# Most rows of a step on dense bf16 weights (AMX tiles), which run decode steps only (prefill
-# chunks take oneDNN's GEMM on the same weights): an RL rollout's 8 prompts x 8 samples in
-# one step. Block weights run every step whole, at any number of rows.
+# Block weights run every step whole, at any number of rows, unless an engine keeps dense
+# copies for prefill (batch_invariant off): then decode steps of up to this many rows, twice
+# what the PyTorch layers' block kernels take (with no Python between layers the step still
+# pays at 17-32 rows). Most rows of a step on dense bf16 weights (AMX tiles), which run
+# decode steps only (prefill chunks take oneDNN's GEMM on the same weights): an RL rollout's
+# 8 prompts x 8 samples in one step.
+SPLIT_STEP_MAX_ROWS = 32
 DENSE_STEP_MAX_ROWS = 64
 
 

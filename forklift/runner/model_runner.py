@@ -37,6 +37,7 @@ from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import (
     DENSE_STEP_MAX_ROWS,
+    SPLIT_STEP_MAX_ROWS,
     NativeDecodeStep,
     StepBinding,
     dense_tile_bytes,
@@ -131,6 +132,7 @@ class ModelRunner:
         quantization: QuantizationPlan = NO_QUANTIZATION,
         decode_backend: str = "auto",
         lora: LoRALimits | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
@@ -146,6 +148,7 @@ class ModelRunner:
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
         self.decode_backend = decode_backend
+        self.batch_invariant = batch_invariant
         self.quant_kernel = self._load_quant_kernel(decode_backend)
         self.tp = tp
         self.mirror = RankMirror(tp)
@@ -202,7 +205,7 @@ class ModelRunner:
         (`extra_*`) come out of the same budget."""
         peak = 0
         if kv_cache_memory_bytes is None and num_blocks_override is None:
-            if self.native_step is not None and not self._dense_step:
+            if self.one_forward:
                 # Its scratch is a formula of the rows (a full-budget step would cost
                 # seconds of start-up to measure).
                 peak = native_step_peak_bytes(
@@ -241,12 +244,19 @@ class ModelRunner:
         return self.native_step is not None and self.quant_kernel is None
 
     @property
+    def one_forward(self) -> bool:
+        """The native step runs every step on the model's block weights."""
+        return self.native_step is not None and not self._dense_step and self.batch_invariant
+
+    @property
     def native_step_max_rows(self) -> int | None:
-        """Most rows a native step runs: 0 without one, None (any) on block weights, dense
-        tiles' limit on those."""
+        """Most rows a native step runs: 0 without one, None (any) with one forward, else
+        the decode steps' limit (dense tiles', or block weights' beside dense copies)."""
         if self.native_step is None:
             return 0
-        return DENSE_STEP_MAX_ROWS if self._dense_step else None
+        if self.one_forward:
+            return None
+        return DENSE_STEP_MAX_ROWS if self._dense_step else SPLIT_STEP_MAX_ROWS
 
     @property
     def _dense_tile_bytes(self) -> int:
@@ -293,7 +303,7 @@ class ModelRunner:
     def _drop_dense_copies(self) -> None:
         """Where the native step runs every step on the blocks, the dense copies of block
         weights serve nothing: release them (the memory plan then counts the blocks)."""
-        if self.native_step is None or self._dense_step:
+        if not self.one_forward:
             return
         drop_dense_copies(self.model)
         self.quantization_report.dense_bytes = 0
@@ -310,7 +320,13 @@ class ModelRunner:
         if step is None:
             logger.info("decode step: PyTorch layers with native block matmuls (%s)", reason)
         else:
-            logger.info("every step: one native call on the block weights (any rows)")
+            if self.batch_invariant:
+                logger.info("every step: one native call on the block weights (any rows)")
+            else:
+                logger.info(
+                    "decode step: one native call for up to %d rows; prefill on dense copies "
+                    "(batch_invariant off)", SPLIT_STEP_MAX_ROWS,
+                )  # fmt: skip
         return step
 
     def _load_dense_native_step(self) -> NativeDecodeStep | None:
@@ -651,14 +667,17 @@ class ModelRunner:
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
 
     def _runs_native_step(self, scheduled: list[ScheduledChunk]) -> bool:
-        """Every step of a model on block weights (one arithmetic whatever the step holds);
-        on dense bf16 tiles, a decode step of few rows, each sampling its one new token."""
+        """With one forward, every step (one arithmetic whatever the step holds); else a
+        decode step of few rows, each sampling its one new token."""
         if self.native_step is None or not scheduled:
             return False
-        if not self._dense_step:
+        if self.one_forward:
             return True
-        return len(scheduled) <= DENSE_STEP_MAX_ROWS and all(
-            s.num_new_tokens == 1 and s.samples and not s.scores_prompt for s in scheduled
+        limit = self.native_step_max_rows
+        return (
+            limit is not None
+            and len(scheduled) <= limit
+            and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt for s in scheduled)
         )
 
     def _native_forward(

@@ -112,6 +112,7 @@ def load_draft_runner(
         sliding_window=draft.config.uniform_window,
         quantization=quantization_plan(draft.source, draft.checkpoint, method),
         decode_backend=config.decode_backend,
+        batch_invariant=config.batch_invariant,
     )
 
 
