@@ -105,6 +105,7 @@ def test_every_step_runs_the_native_step(tiny, monkeypatch):
 
 def test_default_model_is_batch_invariant(default_source):
     """The GGUF default model at its own precision, beside others and from the cache."""
+
     def engine(**kwargs) -> LLM:
         return LLM(model=str(default_source.path), max_model_len=512,
                    kv_cache_memory_bytes=32 * 2**20, **kwargs)  # fmt: skip
@@ -134,3 +135,20 @@ def test_batch_invariant_off_keeps_dense_copies_for_prefill(tiny):
     assert 0 < runner.native_steps < GREEDY.max_tokens  # the decodes, not the prompt
     one = _tiny_engine(tiny).llm_engine.runner
     assert one.one_forward and one.weight_bytes < runner.weight_bytes
+
+
+def test_the_default_models_weights_are_its_file(default_source):
+    """No dense copies and no dense embedding (the tied head holds the file's Q8_0 embedding
+    blocks): what the memory plan counts is within 1.15x the file. An update of the
+    embedding brings it back dense, and the step follows it."""
+    llm = LLM(model=str(default_source.path), max_model_len=256,
+              kv_cache_memory_bytes=16 * 2**20)  # fmt: skip
+    runner = llm.llm_engine.runner
+    assert runner.model.embed_tokens.weight.is_meta
+    assert runner.weight_bytes <= 1.15 * default_source.path.stat().st_size
+    prompt = llm.get_tokenizer().encode("One, two, three,")
+    before = _result(llm, prompt, GREEDY)
+    embedding = runner.model.quantized_head.dequantize()
+    llm.update_weights([("model.embed_tokens.weight", -embedding)])
+    assert not runner.model.embed_tokens.weight.is_meta
+    assert _result(llm, prompt, GREEDY) != before

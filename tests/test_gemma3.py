@@ -160,6 +160,26 @@ def test_the_gemma3_270m_file_serves_at_its_precision_and_matches_transformers(
                 break
 
 
+def test_the_gemma3_270m_file_answers_the_same_whatever_shares_its_steps(gemma_file):
+    """One forward on the real file (windowed and global KV groups, Q4_K and Q8_0 blocks):
+    a prompt longer than two windowed blocks gives bitwise the same tokens and logprobs
+    alone, beside others, and with part of it in the prefix cache."""
+    llm = LLM(model=str(gemma_file), max_model_len=512, kv_cache_memory_bytes=64 * 2**20)
+    assert llm.llm_engine.runner.one_forward
+    prompt = llm.get_tokenizer().encode(" ".join(RAW_PROMPTS) * 3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(*others: list[int]):
+        requests = [{"prompt_token_ids": p} for p in (prompt, *others)]
+        out = llm.generate(requests, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs]
+
+    alone = run()
+    assert run(prompt[:40], prompt[5:30], prompt[:7]) == alone
+    assert llm.llm_engine.prefix_cache_stats().hit_tokens >= 32  # it hit the first request's
+    assert run() == alone
+
+
 def test_gguf_gemma3_logit_scale_follows_llama_cpps_rule():
     # GGUF files do not carry query_pre_attn_scalar: head_dim, but hidden / heads for 27B.
     from forklift.model.gguf_loader import _gemma3_fields

@@ -1,6 +1,6 @@
 """The native block kernels (forklift/native/csrc/quant_matmul.h): for every instruction set
 this machine runs (its own, AVX2, and plain C) and both block types, the product equals a
-float reference that quantizes the activations as the kernel does, for odd shapes and 1-33
+float reference that quantizes the activations as the kernel does, for odd shapes and 1-600
 rows, in fp32 and bf16; the interleaved layout holds exactly the weights it was given."""
 
 from __future__ import annotations
@@ -152,6 +152,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, form, preci
     for rows in range(2, 41):
         assert torch.equal(blocks.linear(x[:rows]), alone[:rows]), rows
     assert torch.equal(blocks.linear(x[24:40]), alone[24:40])
+
+
+@pytest.mark.parametrize("form", ["int4", "int8"])
+@pytest.mark.parametrize("precise", [False, True])
+def test_prefill_sized_steps_equal_the_reference_and_each_row_alone(kernel, form, precise):
+    """Prompt chunks run the same kernel: 1-600 rows (tiles of 16 with the pair's blocks
+    unpacked once, a tail on dot products) equal the float reference, and every row equals
+    its product alone, bit for bit."""
+    torch.manual_seed(23)
+    n, k = 56, 192
+    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
+    blocks = build(torch.randn(n, k), kernel, precise=precise)
+    x = torch.randn(600, k) * torch.linspace(0.1, 10, k)
+    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(600)])
+    exact = blocks.dequantize()
+    for rows in (1, 31, 32, 47, 100, 257, 600):
+        got = blocks.linear(x[:rows])
+        assert torch.equal(got, alone[:rows]), rows
+        if not precise:
+            want = _reference(x[:rows], exact)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
 def test_int4_blocks_hold_the_groups_exactly(kernel):

@@ -231,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
             layer.tp = tp
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight.is_meta:
+            # Dropped for the tied head's blocks, which hold the file's embedding exactly.
+            head = self.quantized_head
+            assert head is not None and hasattr(head, "rows")
+            return head.rows(input_ids).to(self.embed_tokens.weight.dtype)
         if self.tp is None or self.shard is None:
             return self.embed_tokens(input_ids)
         # Vocabulary-parallel: each rank embeds the ids in its rows, zeros elsewhere.

@@ -350,11 +350,13 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def drop_dense_copies(model: LlamaForCausalLM) -> int:
+def drop_dense_copies(model: LlamaForCausalLM, embedding_in_head: bool = False) -> int:
     """Release the dense weight (and its packed copies) of every layer held as native blocks,
-    and the tied head's packed copy where the head is blocks: the parameter stays, on the meta
-    device, so its shape still checks weight updates (`materialize_dense` brings the values
-    back for one). Returns the bytes released."""
+    and the tied head's packed copy where the head is blocks; with `embedding_in_head` (the
+    tied head holds the file's embedding blocks exactly) the dense embedding too, whose
+    lookups then read the head's blocks. A parameter stays, on the meta device, so its shape
+    still checks weight updates (`materialize_dense` brings the values back for one).
+    Returns the bytes released."""
     released = 0
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.quantized, (BlockInt4, BlockInt8)):
@@ -372,6 +374,11 @@ def drop_dense_copies(model: LlamaForCausalLM) -> int:
         if packed is not None:
             released += packed.numel() * packed.element_size()
             model.packed_tied_head = None
+        embedding = model.embed_tokens.weight
+        if embedding_in_head and not embedding.is_meta:
+            released += embedding.numel() * embedding.element_size()
+            empty = torch.empty(embedding.shape, dtype=embedding.dtype, device="meta")
+            model.embed_tokens.weight = nn.Parameter(empty, requires_grad=embedding.requires_grad)
     return released
 
 
@@ -379,6 +386,11 @@ def materialize_dense(model: LlamaForCausalLM, params: Collection[str]) -> None:
     """Dense values for the dropped weights among `params` (model parameter names), from
     their blocks: a weight update writes some rows of a fused weight and keeps the rest."""
     modules = dict(model.named_modules())
+    embedding = model.embed_tokens.weight
+    if "embed_tokens.weight" in params and embedding.is_meta:
+        assert isinstance(model.quantized_head, BlockInt8)
+        dense = model.quantized_head.dequantize().to(embedding.dtype)
+        model.embed_tokens.weight = nn.Parameter(dense, requires_grad=embedding.requires_grad)
     for param in params:
         module = modules.get(param.removesuffix(".weight"))
         if isinstance(module, Linear) and module.weight.is_meta and module.quantized is not None:

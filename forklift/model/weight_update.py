@@ -77,7 +77,7 @@ class WeightUpdater:
         dest = slot.view(params[slot.param].data)
         # A dense weight dropped for its blocks sits on the meta device: stage where the
         # model runs (commit brings the weight back there first).
-        device = self._model.embed_tokens.weight.device if dest.is_meta else dest.device
+        device = self._model.norm.weight.device if dest.is_meta else dest.device
         staged = tensor.detach().to(device=device, dtype=dest.dtype, copy=True)
         if not bool(torch.isfinite(staged).all()):
             raise ValueError(f"weight {hf_name!r} holds NaN or infinite values")

@@ -120,6 +120,7 @@ class _StepModel(ctypes.Structure):
         ("norm_offset", ctypes.c_float),
         ("embed_scale", ctypes.c_float),
         ("gelu", ctypes.c_int),
+        ("embed_blocks", _QuantWeight),
     ]  # fmt: skip
 
 
@@ -304,15 +305,19 @@ class StepBinding:
                                          mlp.down_proj)),
             ))  # fmt: skip
         self._layers = (_StepLayer * len(layers))(*layers)
+        # A dropped embedding is looked up in the tied head's int8 blocks.
+        embed, embed_blocks = _pointer(model.embed_tokens.weight), _QuantWeight()
+        if model.embed_tokens.weight.is_meta:
+            embed, embed_blocks = None, _quant_weight(model.quantized_head)
         self.num_groups = 1 + max(layer.group for layer in layers)
         self.model = _StepModel(
             config.num_layers, config.hidden_size, config.num_heads, kv_heads, head_dim,
             config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
             block_size, config.rms_norm_eps, model.layers[0].self_attn.scale,
-            _DTYPE_FLAGS[dtype], _pointer(model.embed_tokens.weight), _pointer(model.norm.weight),
+            _DTYPE_FLAGS[dtype], embed, _pointer(model.norm.weight),
             weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
-            int(config.mlp_activation == "gelu_tanh"),
+            int(config.mlp_activation == "gelu_tanh"), embed_blocks,
         )  # fmt: skip
 
 

@@ -213,6 +213,14 @@ class BlockInt8:
         _check_input(x, self.shape[1])
         return self.kernel(x, self.codes, self.scales, None, self.shape[0], self.precise)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as float32 (an embedding lookup from a tied head):
+        [len(ids), K], each code times its block's scale."""
+        groups, lanes = ids // ROW_GROUP, ids % ROW_GROUP
+        codes = self.codes[groups, :, :, lanes].float()  # [len, K / 32, 8 chunks, 4]
+        scales = self.scales[groups, :, lanes].float()  # [len, K / 32]
+        return (codes.flatten(2) * scales[..., None]).flatten(1)
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         codes = deinterleave_rows(self.codes, n).float()

@@ -149,6 +149,7 @@ class ModelRunner:
         self.quantization_report = QuantizationReport(quantization.method)
         self.decode_backend = decode_backend
         self.batch_invariant = batch_invariant
+        self._embedding_updated = False  # an update changed a tied embedding (see below)
         self.quant_kernel = self._load_quant_kernel(decode_backend)
         self.tp = tp
         self.mirror = RankMirror(tp)
@@ -305,7 +306,11 @@ class ModelRunner:
         weights serve nothing: release them (the memory plan then counts the blocks)."""
         if not self.one_forward:
             return
-        drop_dense_copies(self.model)
+        # The tied head's blocks hold the file's embedding exactly until an update changes
+        # it (then the head is a rounding of the new embedding, which stays dense).
+        tied = ("lm_head (tied)", "gguf blocks")
+        exact = tied in [(t.name, t.source) for t in self.quantization_report.tensors]
+        drop_dense_copies(self.model, embedding_in_head=exact and not self._embedding_updated)
         self.quantization_report.dense_bytes = 0
 
     def _load_native_step(self) -> NativeDecodeStep | None:
@@ -543,6 +548,7 @@ class ModelRunner:
     def reload_weights(self) -> None:
         """Rebuild the model from the original weights."""
         self.model = self._build_model()
+        self._embedding_updated = False
         self._drop_dense_copies()
         self._weight_updater = WeightUpdater(self.model)
         self._reset_captures()  # captures hold the old parameters' addresses
@@ -559,6 +565,7 @@ class ModelRunner:
         changed = self._weight_updater.staged_params
         # Dropped dense weights come back from their blocks for the rows the update keeps.
         materialize_dense(self.model, changed)
+        self._embedding_updated |= "embed_tokens.weight" in changed
         applied = self._weight_updater.commit()
         # The packed and quantized copies derive from the weights.
         self.model.pack_weights()

@@ -93,10 +93,20 @@ typedef struct {
     float norm_offset;       /* norms scale by norm_offset + w: 0, or 1 for Gemma */
     float embed_scale;       /* the embedding times this, rounded to the dtype; 0: none */
     int gelu;                /* the MLP gates with tanh-GELU (else SiLU) */
+    QuantWeight embed_blocks; /* embed NULL: the embedding is the tied head's q8 blocks */
 } StepModel;
 
 static inline float load_value(const void *base, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Input i of row n of a q8 block weight (quant_matmul.h's layout): code times its block's
+ * scale, exactly the file's value for a Q8_0 embedding. */
+static inline float embedding_from_blocks(const QuantWeight *w, int64_t n, int64_t i) {
+    const int64_t blocks = w->k / QK, g = n / 8, lane = n % 8, b = i / QK, c = (i % QK) / 4;
+    const int8_t code =
+        ((const int8_t *)w->codes)[(g * blocks + b) * 256 + c * 32 + 4 * lane + i % 4];
+    return (float)code * fp16_to_float(w->d[(g * blocks + b) * 8 + lane]);
 }
 
 static inline void store_value(void *base, int64_t i, float v, int is_bf16) {
@@ -398,7 +408,10 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i++) {
-            float v = load_value(m->embed, ids[r] * hidden + i, is_bf16);
+            float v = m->embed != NULL ? load_value(m->embed, ids[r] * hidden + i, is_bf16)
+                                       : embedding_from_blocks(&m->embed_blocks, ids[r], i);
+            /* As the dense embedding held it: in the model's dtype. */
+            if (m->embed == NULL && is_bf16) v = bf16_to_float(float_to_bf16(v));
             if (embed_scale != 0.0f) {
                 v *= embed_scale;
                 if (is_bf16) v = bf16_to_float(float_to_bf16(v));
