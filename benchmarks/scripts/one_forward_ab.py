@@ -130,7 +130,8 @@ def main() -> None:
         f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} rounds "
         "(each measurement a fresh process). prefill: 4 prompts of 512 random tokens, one "
         "output token (median of 3 after a warm-up); offline: 32 chat requests x 128 tokens "
-        "(offline-mixed); decode8: 8 sequences at a context of 564 decoding 128 tokens (the time with 129 output tokens less the time with one); "
+        "(offline-mixed); decode8: 8 sequences at a context of 564 decoding 128 tokens (the "
+        "time with 129 output tokens less the time with one); "
         "invariance: 10 chat turns of 24 tokens at temperature 0, each alone against beside 7 "
         "others and after a request that left part of it in the prefix cache.",
         "",
