@@ -152,3 +152,33 @@ def test_the_default_models_weights_are_its_file(default_source):
     llm.update_weights([("model.embed_tokens.weight", -embedding)])
     assert not runner.model.embed_tokens.weight.is_meta
     assert _result(llm, prompt, GREEDY) != before
+
+
+def test_prompt_logprobs_do_not_depend_on_chunks_or_neighbours(tiny):
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    prompt = _prompt(50)
+
+    def scores(llm: LLM, *others: list[int]):
+        requests = [{"prompt_token_ids": p} for p in (prompt, *others)]
+        out = llm.generate(requests, params, use_tqdm=False)[0]
+        return [None if s is None else {t: lp.logprob for t, lp in s.items()}
+                for s in out.prompt_logprobs]  # fmt: skip
+
+    alone = scores(_tiny_engine(tiny))
+    assert len(alone) == len(prompt) and alone[1] is not None
+    chunked = _tiny_engine(tiny, max_num_batched_tokens=16, max_num_seqs=16)
+    assert scores(chunked, _prompt(9, salt=2)) == alone
+
+
+def test_a_long_prompt_past_one_attention_chunk(default_source):
+    """More than 1024 positions: the tiled attention kernel (bf16 caches on AVX-512) merges
+    per-chunk partial sums; chunked prefill and the cache change nothing."""
+    def engine(**kwargs) -> LLM:
+        return LLM(model=str(default_source.path), max_model_len=2048,
+                   kv_cache_memory_bytes=96 * 2**20, **kwargs)  # fmt: skip
+
+    prompt = [3 + (37 * i) % 40000 for i in range(1100)]
+    alone = _result(engine(enable_prefix_caching=False), prompt, GREEDY)
+    chunked = engine(max_num_batched_tokens=384, enable_prefix_caching=True)
+    assert _result(chunked, prompt, GREEDY, [prompt[:700] + [5, 6, 7]]) == alone
+    assert _result(chunked, prompt, GREEDY) == alone  # from the cache

@@ -139,13 +139,16 @@ def weight_bytes_per_step(llm: LLM, batch: int) -> int:
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
-        if module.quantized is not None and batch <= module.quantized.max_rows:
+        dropped = module.weight.is_meta  # the blocks take every step
+        if module.quantized is not None and (batch <= module.quantized.max_rows or dropped):
             total += module.quantized.nbytes
         else:
             total += _dense_bytes(module.packed_weight if module.packed_weight is not None
                                   else module.weight)  # fmt: skip
     if model.lm_head is None:
-        if model.quantized_head is not None and batch <= model.quantized_head.max_rows:
+        if model.quantized_head is not None and (
+            batch <= model.quantized_head.max_rows or model.head_blocks_only
+        ):
             total += model.quantized_head.nbytes
         else:
             total += _dense_bytes(model.embed_tokens.weight)
@@ -164,7 +167,8 @@ def kv_bytes_per_step(llm: LLM, batch: int, context: int) -> int:
 
 
 def _dense_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """Bytes of a dense weight; none where it was dropped for its blocks (meta)."""
+    return 0 if tensor.is_meta else tensor.numel() * tensor.element_size()
 
 
 @dataclass

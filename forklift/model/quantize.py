@@ -382,9 +382,12 @@ def drop_dense_copies(model: LlamaForCausalLM, embedding_in_head: bool = False) 
     return released
 
 
-def materialize_dense(model: LlamaForCausalLM, params: Collection[str]) -> None:
-    """Dense values for the dropped weights among `params` (model parameter names), from
-    their blocks: a weight update writes some rows of a fused weight and keeps the rest."""
+def materialize_dense(
+    model: LlamaForCausalLM, params: Collection[str], kept: Collection[str] = ()
+) -> None:
+    """Dense room for the dropped weights among `params` (model parameter names) that an
+    update is about to write; those in `kept`, whose update writes only some rows (parts of
+    a fused weight), get their values back from their blocks for the rows it keeps."""
     modules = dict(model.named_modules())
     embedding = model.embed_tokens.weight
     if "embed_tokens.weight" in params and embedding.is_meta:
@@ -394,7 +397,10 @@ def materialize_dense(model: LlamaForCausalLM, params: Collection[str]) -> None:
     for param in params:
         module = modules.get(param.removesuffix(".weight"))
         if isinstance(module, Linear) and module.weight.is_meta and module.quantized is not None:
-            blocks = module.quantized
+            blocks, weight = module.quantized, module.weight
             assert isinstance(blocks, (BlockInt4, BlockInt8))
-            dense = blocks.dequantize().to(module.weight.dtype)
-            module.weight = nn.Parameter(dense, requires_grad=module.weight.requires_grad)
+            dense = (
+                blocks.dequantize().to(weight.dtype) if param in kept
+                else torch.empty(weight.shape, dtype=weight.dtype)
+            )  # fmt: skip
+            module.weight = nn.Parameter(dense, requires_grad=weight.requires_grad)

@@ -16,6 +16,7 @@ from torch import nn
 from forklift.model.llama import LlamaForCausalLM
 from forklift.model.weight_slots import (
     WeightSlot,
+    expected_hf_names,
     hf_tensor_shape,
     is_ignored_hf_name,
     weight_slot,
@@ -38,6 +39,16 @@ class WeightUpdater:
     def staged_params(self) -> set[str]:
         """The model parameters the pending update writes to."""
         return {slot.param for slot, _ in self._staged.values()}
+
+    @property
+    def partly_staged_params(self) -> set[str]:
+        """Staged parameters the update writes only some rows of (parts of a fused one)."""
+        config = self._model.config
+        slots = [weight_slot(name, config) for name in expected_hf_names(config)]
+        staged = {slot.key for slot, _ in self._staged.values()}
+        return {s.param for s in slots if s is not None and s.key not in staged} & (
+            self.staged_params
+        )
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check and stage tensors; returns how many are pending. Raises ValueError (and

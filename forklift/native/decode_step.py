@@ -321,8 +321,10 @@ class StepBinding:
         )  # fmt: skip
 
 
-# Most rows of one attention task (csrc/decode_step.c's PIECE_MAX_ROWS).
+# Most rows of one attention task, and rows a step computes at a time (csrc/decode_step.c's
+# PIECE_MAX_ROWS and STEP_CHUNK_ROWS).
 _PIECE_MAX_ROWS = 32
+_STEP_CHUNK_ROWS = 256
 # Positions of one attention chunk (csrc/attention_tiles.h's ATTENTION_CHUNK).
 _ATTENTION_CHUNK = 1024
 
@@ -335,21 +337,24 @@ def native_step_peak_bytes(
     block_size: int,
     num_groups: int,
 ) -> int:
-    """What a native step of `rows` tokens holds at its peak beyond weights and cache: its
-    activations and int8 rows (csrc/decode_step.c), every thread's attention scores, the
-    per-token block tables and masks the runner builds, and the logits of `sampled_rows`
-    with the sampler's sorted copies of them."""
+    """What a native step of `rows` tokens holds at its peak beyond weights and cache: a
+    chunk's activations and int8 rows (csrc/decode_step.c runs STEP_CHUNK_ROWS at a time),
+    every thread's attention scores (over the whole context where the tiled kernel does not
+    run), the per-token block tables and masks the runner builds and every row's final
+    hidden state (prompt logprobs), and the logits of `sampled_rows` with the sampler's
+    sorted copies of them."""
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
     widest = max(hidden, inter, q_size)
-    activations = 4 * (rows * (2 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) + widest)
-    int8_rows = 2 * rows * (widest + 12 * widest // 32 + 32)
+    chunk = min(rows, _STEP_CHUNK_ROWS)
+    activations = 4 * (chunk * (2 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) + widest)
+    int8_rows = 2 * chunk * (widest + 12 * widest // 32 + 32)
     group = config.num_heads // config.num_kv_heads
-    scores = 4 * _PIECE_MAX_ROWS * group * min(max_context, _ATTENTION_CHUNK) * os.cpu_count()
+    scores = 4 * _PIECE_MAX_ROWS * group * max_context * (os.cpu_count() or 1)
     chunks = -(-max_context // _ATTENTION_CHUNK)
-    parts = 4 * rows * config.num_heads * chunks * (head_dim + 2) if chunks > 1 else 0
+    parts = 4 * chunk * config.num_heads * chunks * (head_dim + 2) if chunks > 1 else 0
     width = -(-max_context // block_size)
-    tables = num_groups * rows * width * (8 + 4 * block_size)
+    tables = num_groups * rows * width * (8 + 4 * block_size) + 4 * rows * hidden
     logits = 3 * 4 * min(sampled_rows, rows) * config.vocab_size
     return activations + int8_rows + scores + parts + tables + logits
 

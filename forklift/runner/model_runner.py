@@ -562,15 +562,17 @@ class ModelRunner:
 
     @mirrored
     def commit_weights(self) -> int:
-        changed = self._weight_updater.staged_params
-        # Dropped dense weights come back from their blocks for the rows the update keeps.
-        materialize_dense(self.model, changed)
+        updater = self._weight_updater
+        changed = updater.staged_params
+        # Dropped dense weights come back for the update (from their blocks where it keeps
+        # some rows), and go again once re-quantized, before anything packs them.
+        materialize_dense(self.model, changed, updater.partly_staged_params)
         self._embedding_updated |= "embed_tokens.weight" in changed
-        applied = self._weight_updater.commit()
+        applied = updater.commit()
         # The packed and quantized copies derive from the weights.
-        self.model.pack_weights()
         requantize(self.model, changed, self.quant_kernel)
         self._drop_dense_copies()
+        self.model.pack_weights()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
             self._bind_native_step()

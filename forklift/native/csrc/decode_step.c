@@ -419,7 +419,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             residual[r * hidden + i] = v;
         }
 
-    for (int64_t l = 0; l < m->num_layers; l++) {
+    /* After a failed allocation no later layer runs: its K/V writes would be wrong. */
+    for (int64_t l = 0; l < m->num_layers && !failed; l++) {
         const StepLayer *layer = &m->layers[l];
         const StepGroup *group = &groups[layer->group];
         const int64_t *slots = group->slots;

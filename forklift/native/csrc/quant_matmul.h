@@ -323,7 +323,7 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
         if (b < blocks) {
-            const uint8_t *tile = unpacked + b * 512;
+            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : NULL;
             if (unpacked == NULL) {
                 __m512i w[8];
                 fetch_pair_block(codes0, codes1, b, is_q4, w);
