@@ -58,7 +58,7 @@ print("RESULT " + json.dumps({
 def forklift_run(model: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(CONTEXT),
-         str(CONTEXT * KV_BYTES_PER_TOKEN_3B)],
+         str((CONTEXT + 32) * KV_BYTES_PER_TOKEN_3B)],  # (+ the null block)
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
@@ -147,7 +147,7 @@ def main() -> None:
     ]
     report = {"cpu_flags": sorted(cpu_flags()), "forklift": ours, "llama_cpp": peer,
               "file_bytes": size, "context": CONTEXT}  # fmt: skip
-    command = command_line(__file__, "--model", args.model, "--llama-cpp", "LLAMA_CPP_DIR")
+    command = command_line(__file__, "--model", str(args.model), "--llama-cpp", "LLAMA_CPP_DIR")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_results(args.out_dir, "large-gguf", report, lines, command)
 

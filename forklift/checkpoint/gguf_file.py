@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import mmap
 from pathlib import Path
 
 import gguf
@@ -105,3 +106,15 @@ def _check_tensor_extents(path: Path, reader: gguf.GGUFReader) -> None:
                 f"GGUF file {path} is truncated: tensor {tensor.name} ends at byte {end} "
                 f"but the file has {size} bytes"
             )
+
+
+def release_pages(reader: gguf.GGUFReader) -> None:
+    """Let the kernel take back the file pages a load touched: the model holds its own copy
+    of the weights, and the mapped file would count in the resident size again (the
+    pages come back from the page cache if the file is read again)."""
+    array = reader.data
+    while array is not None and not isinstance(getattr(array, "_mmap", None), mmap.mmap):
+        array = getattr(array, "base", None)
+    mapped = getattr(array, "_mmap", None)
+    if isinstance(mapped, mmap.mmap) and hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_DONTNEED)

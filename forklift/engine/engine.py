@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from forklift.checkpoint.gguf_file import release_pages
 from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -289,6 +290,8 @@ class LLMEngine:
         self.step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG_SIZE)
         self._num_steps = 0
         self._log_startup(source.path)
+        if source.format == "gguf":
+            release_pages(source.gguf_reader())  # the model holds its weights now
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

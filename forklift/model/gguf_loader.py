@@ -295,11 +295,13 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig
+    reader: gguf.GGUFReader, config: ModelConfig, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` for every tensor the model reads, dequantized and
-    in HF layout."""
+    in HF layout; those named in `skip` are left out (not even dequantized)."""
     for tensor, name in _model_tensors(reader, config):
+        if name in skip:
+            continue
         array = _dequantize(reader, tensor)
         if config.architecture in _PERMUTED_ARCHITECTURES:
             array = _unpermute_rotary(array, tensor.name, config)

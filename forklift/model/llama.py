@@ -306,6 +306,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a model-wide tensor forklift does not know
             if slot is None or slot.param not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            if params[slot.param].is_meta:
+                loaded.add(slot.key)  # served from its blocks: no dense copy is kept
+                continue
             if self.shard is not None:
                 tensor = self.shard.shard(hf_name, tensor, self.full_config)
             dest = slot.view(params[slot.param].data)
@@ -325,10 +328,12 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(loaded)
 
     def _check_complete(self, loaded: set[str]) -> None:
+        params = dict(self.named_parameters())
         expected = set()
         for hf_name in expected_hf_names(self.config):
             slot = weight_slot(hf_name, self.config)
-            if slot is not None:
+            # (a parameter left on the meta device is served from the file's blocks)
+            if slot is not None and not params[slot.param].is_meta:
                 expected.add(slot.key)
         missing = sorted(expected - loaded)
         if missing:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from functools import partial
 
 import torch
@@ -29,11 +29,12 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def iter_model_weights(
-    source: ModelSource, config: ModelConfig
+    source: ModelSource, config: ModelConfig, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` pairs for the model at `source`."""
+    """Yield `(hf_name, tensor)` pairs for the model at `source`; a GGUF file leaves out
+    those named in `skip` (tensors served from their blocks, never dense)."""
     if source.format == "gguf":
-        return iter_gguf_weights(source.gguf_reader(), config)
+        return iter_gguf_weights(source.gguf_reader(), config, skip)
     if source.format == "hf":
         return iter_safetensors_weights(source.path)
     raise ValueError(f"unknown model format {source.format!r}")

@@ -134,11 +134,43 @@ class QuantizationReport:
         return f"quantization {self.method} ({kernels}): " + "; ".join(parts) + f"; {dense}"
 
 
+def quantize_from_file(
+    model: LlamaForCausalLM, plan: QuantizationPlan, kernel: QuantMatmulKernel
+) -> set[str]:
+    """Before any weight loads: the native blocks of every linear layer whose checkpoint
+    tensors all have blocks in the file, read one layer at a time, their dense weights left
+    on the meta device. Returns the checkpoint tensors (HF names) they were made from."""
+    if not plan.enabled:
+        return set()
+    sources = _sources_of(model.config)
+    served: set[str] = set()
+    for name, module in model.named_modules():
+        param = f"{name}.weight"
+        if not isinstance(module, Linear) or param not in sources:
+            continue
+        form = _form_for(plan, sources[param])
+        if form is None:
+            continue
+        blocks = _file_blocks(model, plan, sources, {param: form}, kernel).get(param)
+        if blocks is None:
+            continue
+        precise = _takes_precise_activations(name)
+        module.quantized, module.quantized_source = _quantize_weight(
+            module.weight, form, blocks, kernel, precise
+        )
+        weight = module.weight
+        empty = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+        module.weight = nn.Parameter(empty, requires_grad=weight.requires_grad)
+        served.update(sources[param])
+    return served
+
+
 def quantize_model(
     model: LlamaForCausalLM, plan: QuantizationPlan, kernel: QuantMatmulKernel | None = None
 ) -> QuantizationReport:
     """Give every linear layer (and the tied head) the quantized copy the plan asks for: in
-    the native kernel's blocks where `kernel` is given, else in PyTorch's layouts."""
+    the native kernel's blocks where `kernel` is given, else in PyTorch's layouts. Layers
+    `quantize_from_file` already served keep their copies."""
     report = QuantizationReport(plan.method, "native" if kernel is not None else "torch")
     if not plan.enabled:
         return report
@@ -148,18 +180,23 @@ def quantize_model(
     for param, module in linears.items():
         dense_head = param == "lm_head.weight" and kernel is None and _is_bf16(module.packed_weight)
         forms[param] = None if dense_head else _form_for(plan, sources[param])
-    from_file = _file_blocks(model, plan, sources, forms, kernel)
+    pending = {p: f for p, f in forms.items() if linears[p].quantized is None}
+    from_file = _file_blocks(model, plan, sources, pending, kernel)
     for param, module in linears.items():
         form = forms[param]
         if form is None:
             continue
-        precise = _takes_precise_activations(param.removesuffix(".weight"))
-        blocks = from_file.get(param)
-        weight, source = _quantize_weight(module.weight, form, blocks, kernel, precise)
-        module.quantized = weight
+        if module.quantized is not None:  # served from the file's blocks before loading
+            weight, source = module.quantized, module.quantized_source or "gguf blocks"
+        else:
+            precise = _takes_precise_activations(param.removesuffix(".weight"))
+            blocks = from_file.get(param)
+            weight, source = _quantize_weight(module.weight, form, blocks, kernel, precise)
+            module.quantized = weight
         report.tensors.append(QuantizedTensor(param, form, source, weight.nbytes))
         logger.debug("quantized %s: %s from %s, %d bytes", param, form, source, weight.nbytes)
-        report.dense_bytes += module.weight.numel() * module.weight.element_size()
+        if not module.weight.is_meta:
+            report.dense_bytes += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None and (kernel is not None or not _is_bf16(model.packed_tied_head)):
         blocks = _tied_head_blocks(model, plan, kernel)
         model.quantized_head, source = _quantize_weight(

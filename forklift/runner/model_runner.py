@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
@@ -26,6 +27,7 @@ from forklift.model.quantize import (
     QuantizationReport,
     drop_dense_copies,
     materialize_dense,
+    quantize_from_file,
     quantize_model,
     requantize,
 )
@@ -65,6 +67,7 @@ from forklift.runner.memory import (
     module_bytes,
     plan_kv_cache,
     total_device_memory,
+    trim_heap,
 )
 from forklift.runner.mirroring import RankMirror, mirrored
 from forklift.runner.prompt_scores import (
@@ -281,9 +284,15 @@ class ModelRunner:
         return total
 
     def _build_model(self) -> LlamaForCausalLM:
+        # One forward keeps no dense copy of a weight the file's blocks serve: those never
+        # load dense (a 3B Q4_K_M file peaked at 20.6 GiB when they did).
+        from_blocks = None
+        if self.batch_invariant and self.quant_kernel is not None and self.shard is None:
+            from_blocks = partial(quantize_from_file, plan=self.quantization,
+                                  kernel=self.quant_kernel)  # fmt: skip
         model = build_model(
-            self.model_config, self.weights(), self.device, self.dtype, self.max_model_len,
-            self.shard,
+            self.model_config, self.weights, self.device, self.dtype, self.max_model_len,
+            self.shard, from_blocks,
         )  # fmt: skip
         model.set_tensor_parallel_group(self.tp)
         native = NativeDecodeAttention.load() if self.device.type == "cpu" else None
@@ -312,6 +321,7 @@ class ModelRunner:
         exact = tied in [(t.name, t.source) for t in self.quantization_report.tensors]
         drop_dense_copies(self.model, embedding_in_head=exact and not self._embedding_updated)
         self.quantization_report.dense_bytes = 0
+        trim_heap()
 
     def _load_native_step(self) -> NativeDecodeStep | None:
         """One native call per decode step where the model and its weights allow it: block-
@@ -909,12 +919,16 @@ _MODEL_CLASSES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
 
 def build_model(
     config: ModelConfig,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Callable[..., Iterable[tuple[str, torch.Tensor]]],
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
     shard: TensorParallelShard | None = None,
+    from_blocks: Callable[[LlamaForCausalLM], set[str]] | None = None,
 ) -> LlamaForCausalLM:
+    """The model with its weights. `from_blocks` gives layers their quantized copies straight
+    from the file before anything loads and names the checkpoint tensors that fed them:
+    those are never loaded dense (`weights(skip=...)` leaves them out)."""
     # The layers skip random initialisation (the checkpoint fills every weight), so the model
     # is built where it runs. Not on the meta device: its ops run Python reference kernels
     # that import torch._dynamo, seconds of every start-up.
@@ -923,8 +937,9 @@ def build_model(
     model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device(device):
         model = model_class(config, max_positions, shard)
+    served = from_blocks(model) if from_blocks is not None else set()
     model = model.to(dtype)
-    model.load_weights(weights)
+    model.load_weights(weights(skip=served) if served else weights())
     model.pack_weights()
     # Rotary tables stay float32 (the cast above lowered them with the weights).
     with torch.device(device):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -128,10 +128,10 @@ def _check_single_group(what: str, model_config: ModelConfig) -> None:
 
 
 def _first_layers_weights(
-    source: ModelSource, model_config: ModelConfig, num_layers: int
+    source: ModelSource, model_config: ModelConfig, num_layers: int, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors but those of layers from `num_layers` on."""
-    for name, tensor in iter_model_weights(source, model_config):
+    """The checkpoint's tensors but those of layers from `num_layers` on (and `skip`)."""
+    for name, tensor in iter_model_weights(source, model_config, skip):
         match = _LAYER_NAME.search(name)
         if match is None or int(match.group(1)) < num_layers:
             yield name, tensor

@@ -73,6 +73,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    quantized_source: str | None = None  # "gguf blocks" or "round-to-nearest"
     lora: LoRASlots | None = None
 
     def reset_parameters(self) -> None:
