@@ -93,6 +93,18 @@ print("RESULT " + json.dumps(result))
 KINDS = ("prefill", "offline", "decode8", "invariance")
 
 
+def llama_bench_pp512(binary: str) -> float:
+    """llama-bench's prefill tok/s of 512 tokens on the default model's file, 2 threads."""
+    from forklift.checkpoint.source import resolve_model
+
+    done = subprocess.run(
+        [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", "512", "-n", "0",
+         "-fa", "0", "-o", "json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
 def run_child(tree: Path, kind: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, "-c", CHILD, kind], cwd=tree, env=env,
@@ -106,8 +118,9 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the git revision to compare with")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "sapphire-rapids"))
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "sapphire-rapids")
     parser.add_argument("--name", default="one-forward")
+    parser.add_argument("--llama-bench", help="llama-bench's path: its pp512 each round")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     with tempfile.TemporaryDirectory() as scratch:
@@ -121,6 +134,8 @@ def main() -> None:
                     if kind == "invariance" and round_index:
                         continue  # a count, not a speed: once is enough
                     pair = {"baseline": run_child(baseline, kind), "this": run_child(ROOT, kind)}
+                    if kind == "prefill" and args.llama_bench:
+                        pair["llama_bench"] = {"tok_s": llama_bench_pp512(args.llama_bench)}
                     rounds[kind].append(pair)
                     print(kind, json.dumps(pair), flush=True)
         finally:
@@ -153,6 +168,16 @@ def main() -> None:
             f"| {kind} tok/s | {base:.1f} | {this:.1f} | "
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
         )
+    if args.llama_bench and "prefill" in kinds:
+        pairs = rounds["prefill"]
+        peer = statistics.median(p["llama_bench"]["tok_s"] for p in pairs)
+        ratios = [p[side]["tok_s"] / p["llama_bench"]["tok_s"] for p in pairs
+                  for side in ("baseline", "this")]  # fmt: skip
+        before, after = ratios[0::2], ratios[1::2]
+        lines.append(
+            f"| prefill against llama-bench pp512 ({peer:.1f} tok/s) | "
+            f"{statistics.median(before):.2f}x | {statistics.median(after):.2f}x | |"
+        )
     first = rounds[kinds[0]][0]
     mib = [first[side]["weight_bytes"] / 2**20 for side in ("baseline", "this")]
     rss = [first[side]["rss_bytes"] / 2**20 for side in ("baseline", "this")]
@@ -166,9 +191,14 @@ def main() -> None:
     )
     lines.append("")
     report = {"cpu_flags": sorted(cpu_flags()), "baseline": args.baseline, "rounds": rounds}
-    command = command_line(__file__, "--baseline", args.baseline, "--rounds", args.rounds)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    write_results(Path(args.out_dir), args.name, report, lines, command)
+    words = ["--baseline", args.baseline, "--rounds", args.rounds, "--out-dir", args.out_dir]
+    if args.llama_bench:
+        words += ["--llama-bench", "LLAMA_BENCH"]
+    command = command_line(__file__, *words)
+    if os.environ.get("FORKLIFT_CPU_KIND"):
+        command = f"FORKLIFT_CPU_KIND={os.environ['FORKLIFT_CPU_KIND']} {command}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_results(args.out_dir, args.name, report, lines, command)
 
 
 if __name__ == "__main__":
