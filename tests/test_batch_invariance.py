@@ -173,6 +173,7 @@ def test_prompt_logprobs_do_not_depend_on_chunks_or_neighbours(tiny):
 def test_a_long_prompt_past_one_attention_chunk(default_source):
     """More than 1024 positions: the tiled attention kernel (bf16 caches on AVX-512) merges
     per-chunk partial sums; chunked prefill and the cache change nothing."""
+
     def engine(**kwargs) -> LLM:
         return LLM(model=str(default_source.path), max_model_len=2048,
                    kv_cache_memory_bytes=96 * 2**20, **kwargs)  # fmt: skip

@@ -137,18 +137,24 @@ def test_precise_activations_take_two_int8_rows(kernel, form):
         assert error < plain_error / 50
 
 
+def _each_row_alone(
+    kernel: QuantMatmulKernel, form: str, precise: bool, n: int, k: int, rows: int, seed: int
+) -> tuple[BlockInt4 | BlockInt8, torch.Tensor, torch.Tensor]:
+    """Random blocks, `rows` activation rows of uneven blocks, and each row's product alone."""
+    torch.manual_seed(seed)
+    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
+    blocks = build(torch.randn(n, k), kernel, precise=precise)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
+    return blocks, x, torch.cat([blocks.linear(x[i : i + 1]) for i in range(rows)])
+
+
 @pytest.mark.parametrize("form", ["int4", "int8"])
 @pytest.mark.parametrize("precise", [False, True])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, form, precise):
     """Bit for bit, alone or among up to 40 rows: speculation verifies drafts as extra rows
     and promises the tokens of decoding without them. From 16 rows, where the CPU has AMX,
     sixteen rows at a time multiply on tiles, the rest as below 16."""
-    torch.manual_seed(11)
-    n, k = 72, 320
-    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
-    blocks = build(torch.randn(n, k), kernel, precise=precise)
-    x = torch.randn(40, k) * torch.linspace(0.1, 10, k)
-    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(40)])
+    blocks, x, alone = _each_row_alone(kernel, form, precise, n=72, k=320, rows=40, seed=11)
     for rows in range(2, 41):
         assert torch.equal(blocks.linear(x[:rows]), alone[:rows]), rows
     assert torch.equal(blocks.linear(x[24:40]), alone[24:40])
@@ -160,12 +166,7 @@ def test_prefill_sized_steps_equal_the_reference_and_each_row_alone(kernel, form
     """Prompt chunks run the same kernel: 1-600 rows (tiles of 16 with the pair's blocks
     unpacked once, a tail on dot products) equal the float reference, and every row equals
     its product alone, bit for bit."""
-    torch.manual_seed(23)
-    n, k = 56, 192
-    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
-    blocks = build(torch.randn(n, k), kernel, precise=precise)
-    x = torch.randn(600, k) * torch.linspace(0.1, 10, k)
-    alone = torch.cat([blocks.linear(x[i : i + 1]) for i in range(600)])
+    blocks, x, alone = _each_row_alone(kernel, form, precise, n=56, k=192, rows=600, seed=23)
     exact = blocks.dequantize()
     for rows in (1, 31, 32, 47, 100, 257, 600):
         got = blocks.linear(x[:rows])
