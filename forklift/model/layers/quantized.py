@@ -9,8 +9,9 @@ whatever the model's dtype. The packed int4 layout depends on the CPU's instruct
 is built at load and never saved.
 
 At many rows the dense GEMM wins (the int4 kernel re-expands its groups for every row
-block), so a quantized layer keeps its dense weight for prefill chunks and uses the
-quantized copy only for steps of at most `QUANTIZED_MAX_ROWS` rows.
+block), so a quantized layer on these kernels keeps its dense weight for prefill chunks and
+uses the quantized copy only for steps of at most `QUANTIZED_MAX_ROWS` rows. (Native block
+weights that run every step drop the dense weight: see model/quantize.py.)
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ QUANTIZED_MAX_ROWS = 8
 # rows, so they pay further: up to this many rows.
 BLOCK_MAX_ROWS = 16
 # Steps of at least this many rows run the PyTorch layers on the dense weights, whatever
-# kernel holds the quantized copy (the native decode step, where it runs, takes pure decode
-# steps of up to NATIVE_STEP_MAX_ROWS on the quantized blocks first).
+# kernel holds the quantized copy, where a dense weight is kept (with one forward the native
+# step runs every step on the blocks, and a layer without its dense weight multiplies the
+# blocks at any number of rows).
 ALWAYS_DENSE_ROWS = max(QUANTIZED_MAX_ROWS, BLOCK_MAX_ROWS) + 1
 _INT4_ZERO_POINT = 8
 
