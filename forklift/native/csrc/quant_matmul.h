@@ -78,6 +78,33 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
     }
 }
 
+#if defined(__AVX512F__)
+/* quantize_row on AVX-512, each block of 32 as two vectors: the same operations on the same
+ * values (the largest magnitude, one division, one reciprocal, a product rounded before the
+ * rounding constant is added), so the same codes, scales and sums bit for bit; a prefill
+ * chunk spent a tenth of its time quantizing rows one value at a time. */
+static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow row) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
+                                                              _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f;
+        const __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const __m512i q_lo = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic));
+        const __m512i q_hi = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic));
+        _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(q_lo));
+        _mm_storeu_si128((__m128i *)(row.q + b * QK + 16), _mm512_cvtepi32_epi8(q_hi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+        row.xd[b] = d;
+        row.xs[b] = d * (float)sum;
+        row.offset[b] = 128 * sum;
+    }
+}
+#endif
+
 /* Software prefetch this many blocks ahead of the one being multiplied: a row group's blocks
  * are one contiguous stream, and 32 blocks (4-8 KB) ahead read 30 layers' projections
  * 1.13-1.50x faster than none. The AVX-512 build, two streams at a time and faster per
@@ -556,10 +583,18 @@ __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_precise_row(const float *x, int64_t k, QuantizedRow *views,
                                         int64_t rows, int64_t r, int precise, float *rest) {
+#if defined(__AVX512F__)
+    quantize_row_vectors(x, k, views[r]);
+#else
     quantize_row(x, k, views[r]);
+#endif
     if (!precise) return;
     for (int64_t i = 0; i < k; i++) rest[i] = x[i] - (float)views[r].q[i] * views[r].xd[i / QK];
+#if defined(__AVX512F__)
+    quantize_row_vectors(rest, k, views[rows + r]);
+#else
     quantize_row(rest, k, views[rows + r]);
+#endif
 }
 
 /* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
