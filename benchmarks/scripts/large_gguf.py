@@ -4,7 +4,7 @@ tokens and single-stream decode, side by side in one run (llama-bench and llama-
 llama.cpp, fresh processes each).
 
     .venv/bin/python benchmarks/scripts/large_gguf.py \\
-        --model /tmp/large/llama-3b-random.Q4_K_M.gguf --llama-cpp $HOME/.cache/llama-cpp
+        --model OUT_DIR/llama-3b-random.Q4_K_M.gguf --llama-cpp $HOME/.cache/llama-cpp
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> None:
     ]
     report = {"cpu_flags": sorted(cpu_flags()), "forklift": ours, "llama_cpp": peer,
               "file_bytes": size, "context": CONTEXT}  # fmt: skip
-    command = command_line(__file__, "--model", str(args.model), "--llama-cpp", "LLAMA_CPP_DIR")
+    model = f"OUT_DIR/{args.model.name}"  
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_results(args.out_dir, "large-gguf", report, lines, command)
 

@@ -6,7 +6,7 @@ embeddings): 2.97B parameters. The file is not committed; this makes it again.
 
     ../shared/peers/build_llama_cpp.sh $HOME/.cache/llama-cpp     # llama-quantize, the converter
     .venv/bin/python benchmarks/scripts/make_large_gguf.py --llama-cpp $HOME/.cache/llama-cpp \\
-        --out /tmp/large/llama-3b-random.Q4_K_M.gguf
+        --out OUT_DIR/llama-3b-random.Q4_K_M.gguf
 
 The converter needs the `gguf` and `sentencepiece` packages in the Python that runs this
 (`.venv/bin/pip install sentencepiece`; `gguf` comes with forklift). Needs about 13 GB of
