@@ -147,7 +147,8 @@ def main() -> None:
     ]
     report = {"cpu_flags": sorted(cpu_flags()), "forklift": ours, "llama_cpp": peer,
               "file_bytes": size, "context": CONTEXT}  # fmt: skip
-    model = f"OUT_DIR/{args.model.name}"  
+    model = f"OUT_DIR/{args.model.name}"  # the folder make_large_gguf.py wrote it to
+    command = command_line(__file__, "--model", model, "--llama-cpp", "LLAMA_CPP_DIR")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_results(args.out_dir, "large-gguf", report, lines, command)
 
