@@ -158,9 +158,7 @@ def quantize_from_file(
         module.quantized, module.quantized_source = _quantize_weight(
             module.weight, form, blocks, kernel, precise
         )
-        weight = module.weight
-        empty = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-        module.weight = nn.Parameter(empty, requires_grad=weight.requires_grad)
+        _replace_weight(module, None)
         served.update(sources[param])
     return served
 
@@ -400,8 +398,7 @@ def drop_dense_copies(model: LlamaForCausalLM, embedding_in_head: bool = False) 
             weight = module.weight
             if not weight.is_meta:
                 released += weight.numel() * weight.element_size()
-                empty = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-                module.weight = nn.Parameter(empty, requires_grad=weight.requires_grad)
+                _replace_weight(module, None)
             if module.packed_weight is not None:
                 released += module.packed_weight.numel() * module.packed_weight.element_size()
                 module.packed_weight = None
@@ -414,8 +411,7 @@ def drop_dense_copies(model: LlamaForCausalLM, embedding_in_head: bool = False) 
         embedding = model.embed_tokens.weight
         if embedding_in_head and not embedding.is_meta:
             released += embedding.numel() * embedding.element_size()
-            empty = torch.empty(embedding.shape, dtype=embedding.dtype, device="meta")
-            model.embed_tokens.weight = nn.Parameter(empty, requires_grad=embedding.requires_grad)
+            _replace_weight(model.embed_tokens, None)
     return released
 
 
@@ -429,15 +425,24 @@ def materialize_dense(
     embedding = model.embed_tokens.weight
     if "embed_tokens.weight" in params and embedding.is_meta:
         assert isinstance(model.quantized_head, BlockInt8)
-        dense = model.quantized_head.dequantize().to(embedding.dtype)
-        model.embed_tokens.weight = nn.Parameter(dense, requires_grad=embedding.requires_grad)
+        _replace_weight(model.embed_tokens, model.quantized_head.dequantize())
     for param in params:
         module = modules.get(param.removesuffix(".weight"))
         if isinstance(module, Linear) and module.weight.is_meta and module.quantized is not None:
-            blocks, weight = module.quantized, module.weight
+            blocks = module.quantized
             assert isinstance(blocks, (BlockInt4, BlockInt8))
-            dense = (
-                blocks.dequantize().to(weight.dtype) if param in kept
-                else torch.empty(weight.shape, dtype=weight.dtype)
-            )  # fmt: skip
-            module.weight = nn.Parameter(dense, requires_grad=weight.requires_grad)
+            shape, dtype = module.weight.shape, module.weight.dtype
+            # (room only, where the update writes every row)
+            values = blocks.dequantize() if param in kept else torch.empty(shape, dtype=dtype)
+            _replace_weight(module, values)
+
+
+def _replace_weight(module: nn.Module, values: torch.Tensor | None) -> None:
+    """`module.weight` as a new parameter of the same shape, dtype and grad flag: `values`
+    (cast to the dtype), or None for none held (the meta device)."""
+    weight = module.weight
+    data = (
+        torch.empty(weight.shape, dtype=weight.dtype, device="meta") if values is None
+        else values.to(weight.dtype)
+    )  # fmt: skip
+    module.weight = nn.Parameter(data, requires_grad=weight.requires_grad)

@@ -430,8 +430,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                      normed + r * hidden);
         TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora, qkv,
-                          num_threads));
+        TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora,
+                                    qkv, num_threads));
         const size_t elem = is_bf16 ? 2 : 4;
         const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
@@ -468,8 +468,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
         TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora, normed,
-                          num_threads));
+        TIMED(0, failed |= lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora,
+                                    normed, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *out = normed + r * hidden;
@@ -483,8 +483,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         }
         TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows, row_lora,
-                          gate_up, num_threads));
+        TIMED(0, failed |= lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows,
+                                    row_lora, gate_up, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             const float *g = gate_up + r * 2 * inter;
@@ -495,8 +495,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         }
         TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_down, activated, inter, hidden, rows, row_lora, normed,
-                          num_threads));
+        TIMED(0, failed |= lora_add(&layer->lora_down, activated, inter, hidden, rows,
+                                    row_lora, normed, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *out = normed + r * hidden;

@@ -49,40 +49,11 @@ static inline float round_to_even(float v) {
     return (v + magic) - magic;
 }
 
-/* No fused multiply-add in here: rounding x * inverse before adding the rounding constant
- * is what keeps the codes those of a plain round(x / d) (clang fuses only within one
- * expression, GCC across statements unless told). */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
-    for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.0f;
-        const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) {
-            const float scaled = xb[i] * inverse;
-            const int32_t q = (int32_t)round_to_even(scaled);
-            row.q[b * QK + i] = (int8_t)q;
-            sum += q;
-        }
-        row.xd[b] = d;
-        row.xs[b] = d * (float)sum;
-        row.offset[b] = 128 * sum;
-    }
-}
-
 #if defined(__AVX512F__)
-/* quantize_row on AVX-512, each block of 32 as two vectors: the same operations on the same
- * values (the largest magnitude, one division, one reciprocal, a product rounded before the
- * rounding constant is added), so the same codes, scales and sums bit for bit; a prefill
- * chunk spent a tenth of its time quantizing rows one value at a time. */
+/* quantize_row's work on AVX-512, each block of 32 as two vectors: the same operations on
+ * the same values (the largest magnitude, one division, one reciprocal, a product rounded
+ * before the rounding constant is added), so the same codes, scales and sums bit for bit; a
+ * prefill chunk spent a tenth of its time quantizing rows one value at a time. */
 static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow row) {
     const __m512 magic = _mm512_set1_ps(12582912.0f);
     for (int64_t b = 0; b < k / QK; b++) {
@@ -104,6 +75,40 @@ static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow 
     }
 }
 #endif
+
+/* No fused multiply-add in here: rounding x * inverse before adding the rounding constant
+ * is what keeps the codes those of a plain round(x / d) (clang fuses only within one
+ * expression, GCC across statements unless told). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
+#if defined(__AVX512F__)
+    quantize_row_vectors(x, k, row);
+#else
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const float scaled = xb[i] * inverse;
+            const int32_t q = (int32_t)round_to_even(scaled);
+            row.q[b * QK + i] = (int8_t)q;
+            sum += q;
+        }
+        row.xd[b] = d;
+        row.xs[b] = d * (float)sum;
+        row.offset[b] = 128 * sum;
+    }
+#endif
+}
+
 
 /* Software prefetch this many blocks ahead of the one being multiplied: a row group's blocks
  * are one contiguous stream, and 32 blocks (4-8 KB) ahead read 30 layers' projections
@@ -243,6 +248,15 @@ static inline __attribute__((always_inline)) void fetch_pair_block(
     unpack_pair_block(first, second, is_q4, w);
 }
 
+/* Block b of groups g and g + 1 unpacked as fetch_pair_block does, stored as the tiles read
+ * it: 512 bytes at `dst`. */
+static inline __attribute__((always_inline)) void store_pair_block(
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, uint8_t *dst) {
+    __m512i w[8];
+    fetch_pair_block(codes0, codes1, b, is_q4, w);
+    for (int c = 0; c < 8; c++) _mm512_store_si512(dst + 64 * c, w[c]);
+}
+
 /* Block b's sixteen fp16 scales (d or m) of groups g and g + 1 as floats. */
 static inline __m512 pair_scales(const uint16_t *first, const uint16_t *second, int64_t b) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(
@@ -350,14 +364,8 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
         if (b < blocks) {
-            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : NULL;
-            if (unpacked == NULL) {
-                __m512i w[8];
-                fetch_pair_block(codes0, codes1, b, is_q4, w);
-                uint8_t *own = codes_tile[b & 1];
-                for (int c = 0; c < 8; c++) _mm512_store_si512(own + 64 * c, w[c]);
-                tile = own;
-            }
+            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
+            if (unpacked == NULL) store_pair_block(codes0, codes1, b, is_q4, codes_tile[b & 1]);
             if (b & 1)
                 QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
             else
@@ -495,11 +503,8 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
      * for them). */
     const uint8_t *ready = NULL;
     if (tile_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
-        for (int64_t b = 0; b < blocks; b++) {
-            __m512i v[8];
-            fetch_pair_block(codes, codes + group_bytes, b, is_q4, v);
-            for (int c = 0; c < 8; c++) _mm512_store_si512(unpacked + b * 512 + 64 * c, v[c]);
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            store_pair_block(codes, codes + group_bytes, b, is_q4, unpacked + b * 512);
         ready = unpacked;
     }
 #else
@@ -583,18 +588,10 @@ __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_precise_row(const float *x, int64_t k, QuantizedRow *views,
                                         int64_t rows, int64_t r, int precise, float *rest) {
-#if defined(__AVX512F__)
-    quantize_row_vectors(x, k, views[r]);
-#else
     quantize_row(x, k, views[r]);
-#endif
     if (!precise) return;
     for (int64_t i = 0; i < k; i++) rest[i] = x[i] - (float)views[r].q[i] * views[r].xd[i / QK];
-#if defined(__AVX512F__)
-    quantize_row_vectors(rest, k, views[rows + r]);
-#else
     quantize_row(rest, k, views[rows + r]);
-#endif
 }
 
 /* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
