@@ -289,7 +289,6 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, server):
         ("/v1/chat/completions", "echo", True, False),
         ("/v1/chat/completions", "add_special_tokens", True, False),
         ("/v1/completions", "add_special_tokens", False, True),
-        ("/v1/chat/completions", "parallel_tool_calls", False, True),
         ("/v1/chat/completions", "stream_options", {"continuous_usage_stats": True},
          {"include_usage": False}),
     ],

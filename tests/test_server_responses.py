@@ -182,6 +182,37 @@ def test_named_function_call_then_its_result(client, server):
     assert follow_up.usage.input_tokens == prompt_tokens(server[0], conversation)
 
 
+STRICT_WEATHER_TOOL = {**WEATHER_TOOL, "strict": True}
+
+
+def test_strict_tool_round_trip_without_tool_choice(client):
+    """As the OpenAI Agents SDK runs a tool: strict tools, a forced first turn, then the
+    result sent back with the same tools and no tool_choice (auto)."""
+    first = client.responses.create(
+        **{**WEATHER_CALL, "tools": [STRICT_WEATHER_TOOL], "tool_choice": "required"},
+        parallel_tool_calls=False,
+    )
+    (call,) = first.output
+    assert call.type == "function_call"
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}],
+        tools=[STRICT_WEATHER_TOOL],
+        parallel_tool_calls=False,
+        max_output_tokens=40,
+        temperature=0,
+    )
+    assert second.status in ("completed", "incomplete") and second.output
+    calls = [item for item in second.output if item.type == "function_call"]
+    assert len(calls) <= 1 and second.parallel_tool_calls is False
+    for item in calls:
+        jsonschema.validate(json.loads(item.arguments), CITY)
+    if not calls:
+        assert second.output_text and "<tool_call>" not in second.output_text
+
+
 def test_streamed_function_call(client):
     events = list(
         client.responses.create(
@@ -324,11 +355,6 @@ def test_a_client_that_leaves_mid_stream_aborts_and_stores_nothing(server):
             "tool_choice",
         ),
         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
-        ({"input": "Hi", "tools": [{**WEATHER_TOOL, "strict": True}]}, "tools[0].strict"),
-        (
-            {"input": "Hi", "tools": [WEATHER_TOOL], "parallel_tool_calls": False},
-            "parallel_tool_calls",
-        ),
         (
             {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
             "input",

@@ -16,6 +16,7 @@ from tiny_models import make_tiny_byte_level_model
 
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
+from forklift.server import tool_grammar
 from forklift.server.app import build_app
 from forklift.server.chat import chat_prompt_ids
 from forklift.server.protocol import ChatMessage
@@ -217,6 +218,80 @@ def test_auto_parses_a_hermes_call_and_keeps_the_text_before_it(client, stream):
     assert name == "get_time" and json.loads(arguments)["zone"] in ("UTC", "CET")
 
 
+STRICT_TOOLS = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+
+
+def calls_of(reply) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
+
+
+def test_required_with_parallel_tool_calls_false_is_one_call(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=200,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=4,
+        seed=3,
+    )
+    for choice in reply.choices:
+        ((name, arguments),) = calls_of(choice)
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.fixture
+def calls_only(monkeypatch):
+    """Test hook: the auto grammar without its text branch, so the tiny random model (which
+    never calls a tool by itself) must write a call; the call part is the server's own."""
+    from forklift.server import tools as tools_module
+
+    def without_text(*args, **kwargs):
+        grammar = tool_grammar.auto_tool_grammar(*args, **kwargs)
+        assert "start: TEXT | LEAD call" in grammar
+        return grammar.replace("start: TEXT | LEAD call", 'start: "<tool_call>\\n" call')
+
+    monkeypatch.setattr(tools_module, "auto_tool_grammar", without_text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [False, None])
+def test_strict_tools_with_auto_hold_calls_to_the_schema(client, calls_only, stream, parallel):
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=160, tools=STRICT_TOOLS, seed=5, n=3)
+    if parallel is not None:
+        kwargs["parallel_tool_calls"] = parallel
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        per_choice = [
+            reassemble(c for c in chunks if c.choices and c.choices[0].index == index)
+            for index in range(3)
+        ]
+        results = [
+            ([(c["name"], c["arguments"]) for c in by_index.values()], finish)
+            for _, by_index, finish in per_choice
+        ]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        results = [(calls_of(c), c.finish_reason) for c in reply.choices]
+    for calls, finish in results:
+        assert calls and finish == "tool_calls"
+        if parallel is False:
+            assert len(calls) == 1
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_strict_tools_with_auto_may_answer_in_text(client):
+    # The tiny model writes text; the grammar lets it, and nothing in it reads as a call.
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=12, tools=STRICT_TOOLS, parallel_tool_calls=False
+    )
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert "<tool_call>" not in choice.message.content
+
+
 def test_tool_results_round_trip_through_the_template(client, server):
     history = [
         *ASK,
@@ -280,6 +355,11 @@ def test_tool_results_round_trip_through_the_template(client, server):
         ),  # noqa: E501
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [{**TOOLS[1], "function": {**TOOLS[1]["function"], "strict": "yes"}}]},
+            "tools[0].function.strict",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": 5}, "parallel_tool_calls"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "guided_choice"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["f"]}}},

@@ -95,8 +95,9 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    tools = tool_request(body.tools, body.tool_choice)
-    params = make_params(ctx, body, max_tokens, logprobs, tools.constraint() if tools else None)
+    tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = tools.constraint(ctx.tool_call_parser) if tools else None
+    params = make_params(ctx, body, max_tokens, logprobs, constraint)
     # Rendering the template and tokenizing run in a worker thread, off the event loop.
     prompt = await asyncio.to_thread(
         chat_prompt_ids,

@@ -69,9 +69,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "guided_whitespace_pattern": Unsupported("JSON whitespace follows llguidance's rules"),
     "reasoning_effort": Unsupported("the served models do not reason separately"),
     "include_reasoning": Unsupported("the served models do not reason separately", _true),
-    "parallel_tool_calls": Unsupported(
-        "a reply may always hold several tool calls; use tool_choice to force one", _true
-    ),
     "functions": Unsupported("use tools (the deprecated functions field is not read)"),
     "function_call": Unsupported("use tool_choice (the deprecated field is not read)"),
     "modalities": Unsupported("text is the only modality", _equals(["text"])),

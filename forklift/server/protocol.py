@@ -129,6 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -52,7 +52,7 @@ async def create_response(
     if body.previous_response_id is not None:
         earlier = _stored(store, body.previous_response_id, "previous_response_id").items
     items = [*earlier, *input_items(body.input)]
-    tools, constraint = tool_setup(body)
+    tools, constraint = tool_setup(body, ctx.tool_call_parser)
     messages = chat_messages(items, body.instructions)
     chat = ChatCompletionRequest(
         messages=[ChatMessage.model_validate(m) for m in messages],

@@ -8,7 +8,6 @@ is chat's response_format with the json_schema fields one level up.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from forklift.server.errors import APIError
@@ -23,39 +22,18 @@ _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def tool_setup(
-    body: ResponsesRequest,
+    body: ResponsesRequest, parser: str
 ) -> tuple[ToolRequest | None, StructuredOutputsParams | None]:
-    """(tools, the decoding constraint a forced call needs); 400 naming the field."""
+    """(tools, the decoding constraint they need); 400 naming the field. `parser` names the
+    format the model writes calls in."""
     tools = _chat_tools(body.tools)
     choice = _chat_tool_choice(body.tool_choice)
     if tools is None and choice in ("auto", "none"):
         choice = None  # nothing to call: OpenAI's defaults ask for nothing
-    request = tool_request(tools, choice)
+    request = tool_request(tools, choice, body.parallel_calls)
     if request is None or not request.parses_calls:
         return request, None
-    constraint = request.constraint()
-    if request.choice.mode == "auto":
-        # Free text may hold any number of calls with any arguments: neither a single call
-        # nor arguments that match the schema can be promised.
-        strict = next((i for i, t in enumerate(body.tools or []) if t.get("strict")), None)
-        if strict is not None:
-            raise APIError(
-                400,
-                "strict function arguments need tool_choice 'required' or a named function "
-                "(decoding is then held to the schema); with 'auto' set strict to false",
-                f"tools[{strict}].strict",
-            )
-        if not body.parallel_calls:
-            raise APIError(
-                400,
-                "parallel_tool_calls false needs tool_choice 'required' or a named function: "
-                "with 'auto' the model may write several calls",
-                "parallel_tool_calls",
-            )
-    if request.choice.mode == "required" and not body.parallel_calls and constraint is not None:
-        assert isinstance(constraint.json, dict)  # tools.py builds the array schema itself
-        constraint = dataclasses.replace(constraint, json={**constraint.json, "maxItems": 1})
-    return request, constraint
+    return request, request.constraint(parser)
 
 
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -121,6 +99,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         function: dict[str, Any] = {"name": name, "parameters": parameters}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
         converted.append({"type": "function", "function": function})
     return converted
 

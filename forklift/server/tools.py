@@ -7,6 +7,9 @@ prompt and the decoder need.
 - `required`: decoding is constrained to a JSON array of one or more calls
   `[{"name": ..., "parameters": {...}}]`, one schema branch per tool.
 - a named function: decoding is constrained to that function's parameters.
+
+`parallel_tool_calls: false` allows at most one call. With `auto`, it and a `strict` tool
+constrain decoding to one grammar that allows text or calls (tool_grammar.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklift.server.errors import APIError
+from forklift.server.tool_grammar import auto_tool_grammar
 from forklift.structured.params import StructuredOutputsParams
 
 
@@ -28,6 +32,7 @@ class ToolChoice:
 class ToolRequest:
     tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}
     choice: ToolChoice
+    parallel: bool = True  # parallel_tool_calls: false allows at most one call
 
     @property
     def functions(self) -> dict[str, dict[str, Any]]:
@@ -46,15 +51,33 @@ class ToolRequest:
     def parses_calls(self) -> bool:
         return bool(self.tools) and self.choice.mode != "none"
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    @property
+    def has_strict(self) -> bool:
+        return any(f.get("strict") is True for f in self.functions.values())
+
+    def constraint(self, parser: str) -> StructuredOutputsParams | None:
+        """What decoding is held to; `parser` names the format calls are written in."""
         if self.choice.mode == "named":
             parameters = self.functions[self.choice.name or ""]["parameters"]
             return StructuredOutputsParams(json=parameters, param="tool_choice")
         if self.choice.mode == "required":
-            return StructuredOutputsParams(json=self._required_schema(), param="tools")
+            calls, definitions = self._call_schemas("parameters")
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            if definitions:
+                schema["$defs"] = definitions
+            return StructuredOutputsParams(json=schema, param="tools")
+        if self.choice.mode == "auto" and self.tools and (self.has_strict or not self.parallel):
+            calls, definitions = self._call_schemas(_ARGUMENTS_KEY[parser])
+            grammar = auto_tool_grammar(calls, definitions, parser, self.parallel)
+            param = "tools" if self.has_strict else "parallel_tool_calls"
+            return StructuredOutputsParams(grammar=grammar, param=param)
         return None
 
-    def _required_schema(self) -> dict[str, Any]:
+    def _call_schemas(self, arguments_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """One schema per tool for a call `{"name": ..., arguments_key: {...}}`, and the
+        tools' `$defs` gathered for the combined schema's root."""
         calls, definitions = [], {}
         for name, function in self.functions.items():
             parameters = dict(function["parameters"])
@@ -67,26 +90,28 @@ class ToolRequest:
                 if definitions.setdefault(key, schema) != schema:
                     raise APIError(
                         400,
-                        f"tools define $defs/{key} differently; tool_choice 'required' needs "
+                        f"tools define $defs/{key} differently; one combined schema needs "
                         "one meaning per name",
                         "tools",
                     )
             calls.append(
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "parameters": parameters},
-                    "required": ["name", "parameters"],
+                    "properties": {"name": {"const": name}, arguments_key: parameters},
+                    "required": ["name", arguments_key],
                     "additionalProperties": False,
                 }
             )
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if definitions:
-            schema["$defs"] = definitions
-        return schema
+        return calls, definitions
 
 
-def tool_request(tools: Any, tool_choice: Any) -> ToolRequest | None:
-    """Validate `tools` and `tool_choice` (400 naming the field); None when there are none."""
+# The key each parser's call format puts the arguments under.
+_ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}
+
+
+def tool_request(tools: Any, tool_choice: Any, parallel: bool | None = None) -> ToolRequest | None:
+    """Validate `tools`, `tool_choice` and `parallel_tool_calls` (400 naming the field); None
+    when there are no tools."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", "tool_choice")
@@ -98,7 +123,7 @@ def tool_request(tools: Any, tool_choice: Any) -> ToolRequest | None:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise APIError(400, f"tools name the function {duplicate!r} twice", "tools")
-    return ToolRequest(checked, _check_choice(tool_choice, set(names)))
+    return ToolRequest(checked, _check_choice(tool_choice, set(names)), parallel is not False)
 
 
 def _check_tool(index: int, tool: Any) -> dict[str, Any]:
@@ -120,6 +145,10 @@ def _check_tool(index: int, tool: Any) -> dict[str, Any]:
             f"{where}.function.parameters must be a JSON schema object "
             '(use {"type": "object", "properties": {}} for no arguments)',
             f"{where}.function.parameters",
+        )
+    if function.get("strict") not in (None, True, False):
+        raise APIError(
+            400, f"{where}.function.strict must be true or false", f"{where}.function.strict"
         )
     return {"type": "function", "function": dict(function)}
 

@@ -1,0 +1,64 @@
+"""One grammar for `tool_choice: auto` that allows both answers: plain text, or tool calls in
+the server parser's format whose arguments follow their tool's schema.
+
+It is used when the request needs a promise that free decoding cannot keep: a `strict` tool
+(OpenAI: a call's arguments match the schema exactly) or `parallel_tool_calls: false` (at most
+one call). Text is any text in which no call begins; a call is the parser's wrapper around a
+JSON object held to the union of the tools' call schemas.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Compact JSON inside calls, as for other constraints: small models given free whitespace
+# tend to spend their budget on newlines.
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+def auto_tool_grammar(
+    call_schemas: list[dict[str, Any]],
+    definitions: dict[str, Any],
+    parser: str,
+    parallel: bool,
+) -> str:
+    """A Lark grammar (llguidance's dialect) for text or calls, as `parser` writes them."""
+    schema: dict[str, Any] = {"anyOf": call_schemas, "x-guidance": _COMPACT_JSON}
+    if definitions:
+        schema["$defs"] = definitions
+    call_json = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    if parser == "hermes":
+        return _hermes(call_json, parallel)
+    if parser == "llama3_json":
+        return _llama3_json(call_json, parallel)
+    raise ValueError(f"no tool grammar for the parser {parser!r}")
+
+
+def _hermes(call_json: str, parallel: bool) -> str:
+    # `<tool_call>\n{...}\n</tool_call>` blocks after optional text, one per line. TEXT and
+    # LEAD may hold no `<tool_call>` of their own, so where the first call starts is never
+    # ambiguous.
+    more = '("\\n<tool_call>\\n" call)*' if parallel else ""
+    return "\n".join(
+        [
+            f"start: TEXT | LEAD call {more}",
+            r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+            r"LEAD: /(?s:.*)<tool_call>\n/ & ~/(?s:.*<tool_call>.*<tool_call>.*)/",
+            r'call: arguments "\n</tool_call>"',
+            f"arguments: {call_json}",
+        ]
+    )
+
+
+def _llama3_json(call_json: str, parallel: bool) -> str:
+    # A reply is either text that does not open with a JSON object, or only calls: the
+    # parser reads an answer that starts with `{` as calls separated by `;`.
+    more = '("; " call)*' if parallel else ""
+    return "\n".join(
+        [
+            f"start: TEXT | call {more}",
+            r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/ & ~/(?s:.*<\|python_tag\|>.*)/",
+            f"call: {call_json}",
+        ]
+    )
