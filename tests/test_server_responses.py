@@ -189,7 +189,12 @@ def test_strict_tool_round_trip_without_tool_choice(client):
     """As the OpenAI Agents SDK runs a tool: strict tools, a forced first turn, then the
     result sent back with the same tools and no tool_choice (auto)."""
     first = client.responses.create(
-        **{**WEATHER_CALL, "tools": [STRICT_WEATHER_TOOL], "tool_choice": "required"},
+        **{
+            **WEATHER_CALL,
+            "tools": [STRICT_WEATHER_TOOL],
+            "tool_choice": "required",
+            "max_output_tokens": 60,
+        },
         parallel_tool_calls=False,
     )
     (call,) = first.output

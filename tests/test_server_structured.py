@@ -243,16 +243,15 @@ def test_required_with_parallel_tool_calls_false_is_one_call(client):
 
 @pytest.fixture
 def calls_only(monkeypatch):
-    """Test hook: the auto grammar without its text branch, so the tiny random model (which
-    never calls a tool by itself) must write a call; the call part is the server's own."""
+    """Test hook: `auto`'s grammar without its text branch, so the tiny random model (which
+    never calls a tool by itself) must write a call; the rest is the server's own."""
     from forklift.server import tools as tools_module
 
-    def without_text(*args, **kwargs):
-        grammar = tool_grammar.auto_tool_grammar(*args, **kwargs)
-        assert "start: TEXT | LEAD call" in grammar
-        return grammar.replace("start: TEXT | LEAD call", 'start: "<tool_call>\\n" call')
+    def without_text(calls, definitions, parser, parallel, allow_text):
+        assert allow_text
+        return tool_grammar.tool_call_grammar(calls, definitions, parser, parallel, False)
 
-    monkeypatch.setattr(tools_module, "auto_tool_grammar", without_text)
+    monkeypatch.setattr(tools_module, "tool_call_grammar", without_text)
 
 
 @pytest.mark.parametrize("stream", [False, True])

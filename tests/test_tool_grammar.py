@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from forklift.server.tools import tool_request
+from forklift.server.tools import closed_schema, tool_request
 from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer
 
@@ -75,8 +75,49 @@ def test_auto_without_strict_or_single_call_is_unconstrained():
     assert tool_request(TOOLS, None).constraint("hermes") is not None
 
 
-def test_required_without_parallel_calls_is_one_item():
-    constraint = tool_request(TOOLS, "required", False).constraint("hermes")
-    assert constraint is not None and constraint.schema()["maxItems"] == 1
-    many = tool_request(TOOLS, "required").constraint("hermes")
-    assert many is not None and "maxItems" not in many.schema()
+def allows_required(compiler, parallel: bool, text: str) -> bool:
+    grammar_compiler, tokenizer = compiler
+    constraint = tool_request(TOOLS, "required", parallel).constraint("hermes")
+    matcher = grammar_compiler.compile(constraint).deep_copy()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_is_calls_only_one_without_parallel_calls(compiler, parallel):
+    assert allows_required(compiler, parallel, WEATHER_CALL)
+    assert allows_required(compiler, parallel, WEATHER_CALL + "\n" + NOON_CALL) is parallel
+    assert not allows_required(compiler, parallel, "No call today.")
+    assert not allows_required(compiler, parallel, "Sure.\n" + WEATHER_CALL)
+
+
+def test_arguments_hold_only_the_declared_parameters(compiler):
+    open_city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": open_city}}]
+    grammar_compiler, tokenizer = compiler
+    named = tool_request(tools, {"type": "function", "function": {"name": "weather"}})
+    matcher = grammar_compiler.compile(named.constraint("hermes")).deep_copy()
+    extra = tokenizer.encode('{"city":"Rome","weather":{"temp":1}}', add_special_tokens=False)
+    assert not matcher.consume_tokens(extra)
+    matcher = grammar_compiler.compile(named.constraint("hermes")).deep_copy()
+    assert matcher.consume_tokens(tokenizer.encode('{"city":"Rome"}', add_special_tokens=False))
+    assert matcher.is_accepting()
+
+
+def test_closed_schema_keeps_what_the_schema_says():
+    schema = {
+        "type": "object",
+        "properties": {
+            "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "free": {"type": "object"},
+            "fixed": {"const": {"properties": {"a": 1}}},
+        },
+    }
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["additionalProperties"] == {"type": "integer"}
+    assert "additionalProperties" not in closed["properties"]["free"]
+    assert closed["properties"]["fixed"] == {"const": {"properties": {"a": 1}}}
+    assert "additionalProperties" not in schema  # the request's own schema is untouched

@@ -163,8 +163,8 @@ def test_tool_choice_none_adds_no_instructions():
 def test_required_streams_unparsable_output_as_content():
     tools = tool_request(TOOLS, "required")
     streamer = ToolCallStreamer(tools, HermesParser())
-    assert streamer.deltas('[{"name": "add", "param', finished=False) == []
-    cut = '[{"name": "add", "parameters": {"a"'
+    assert streamer.deltas('<tool_call>\n{"name": "add", "argu', finished=False) == []
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a"'
     assert streamer.deltas(cut, finished=True) == [{"content": cut}]
     assert final_message(cut, "length", tools, HermesParser()) == (
         {"role": "assistant", "content": cut},
@@ -188,13 +188,14 @@ def test_required_moves_the_tools_definitions_to_the_root():
         }
         for name in ("a", "b")
     ]
-    schema = tool_request(tools, "required").constraint().schema()
+    grammar = tool_request(tools, "required").constraint("hermes").grammar
+    schema = json.loads(grammar.split("%json ", 1)[1].splitlines()[0])
     assert schema["$defs"] == {"Unit": unit}
-    assert all("$defs" not in branch["properties"]["parameters"]
-               for branch in schema["items"]["anyOf"])  # fmt: skip
+    assert all("$defs" not in branch["properties"]["arguments"]
+               for branch in schema["anyOf"])  # fmt: skip
     tools[1]["function"]["parameters"]["$defs"] = {"Unit": {"enum": ["k"]}}
     with pytest.raises(APIError, match="differently"):
-        tool_request(tools, "required").constraint()
+        tool_request(tools, "required").constraint("hermes")
 
 
 def test_tool_aware_templates_get_arguments_as_objects():

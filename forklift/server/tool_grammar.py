@@ -1,10 +1,13 @@
-"""One grammar for `tool_choice: auto` that allows both answers: plain text, or tool calls in
-the server parser's format whose arguments follow their tool's schema.
+"""Grammars for tool calls in the server parser's format, whose arguments follow their
+tool's schema.
 
-It is used when the request needs a promise that free decoding cannot keep: a `strict` tool
-(OpenAI: a call's arguments match the schema exactly) or `parallel_tool_calls: false` (at most
-one call). Text is any text in which no call begins; a call is the parser's wrapper around a
-JSON object held to the union of the tools' call schemas.
+`tool_choice: required` is calls only. `auto` allows both answers, plain text or calls, and
+is constrained only when the request needs a promise that free decoding cannot keep: a
+`strict` tool (OpenAI: a call's arguments match the schema exactly) or
+`parallel_tool_calls: false` (at most one call). Text is any text in which no call begins; a
+call is the parser's wrapper around a JSON object held to the union of the tools' call
+schemas. Calls are written as the prompt teaches them, so a model ends after its last one
+(a JSON array of calls invites a small model to add items until its tokens run out).
 """
 
 from __future__ import annotations
@@ -17,32 +20,35 @@ from typing import Any
 _COMPACT_JSON = {"whitespace_flexible": False}
 
 
-def auto_tool_grammar(
+def tool_call_grammar(
     call_schemas: list[dict[str, Any]],
     definitions: dict[str, Any],
     parser: str,
     parallel: bool,
+    allow_text: bool,
 ) -> str:
-    """A Lark grammar (llguidance's dialect) for text or calls, as `parser` writes them."""
+    """A Lark grammar (llguidance's dialect) for calls as `parser` writes them, or with
+    `allow_text` (`auto`) text instead."""
     schema: dict[str, Any] = {"anyOf": call_schemas, "x-guidance": _COMPACT_JSON}
     if definitions:
         schema["$defs"] = definitions
     call_json = f"%json {json.dumps(schema, ensure_ascii=False)}"
     if parser == "hermes":
-        return _hermes(call_json, parallel)
+        return _hermes(call_json, parallel, allow_text)
     if parser == "llama3_json":
-        return _llama3_json(call_json, parallel)
+        return _llama3_json(call_json, parallel, allow_text)
     raise ValueError(f"no tool grammar for the parser {parser!r}")
 
 
-def _hermes(call_json: str, parallel: bool) -> str:
+def _hermes(call_json: str, parallel: bool, allow_text: bool) -> str:
     # `<tool_call>\n{...}\n</tool_call>` blocks after optional text, one per line. TEXT and
     # LEAD may hold no `<tool_call>` of their own, so where the first call starts is never
     # ambiguous.
     more = '("\\n<tool_call>\\n" call)*' if parallel else ""
+    start = f"TEXT | LEAD call {more}" if allow_text else f'"<tool_call>\\n" call {more}'
     return "\n".join(
         [
-            f"start: TEXT | LEAD call {more}",
+            f"start: {start}",
             r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
             r"LEAD: /(?s:.*)<tool_call>\n/ & ~/(?s:.*<tool_call>.*<tool_call>.*)/",
             r'call: arguments "\n</tool_call>"',
@@ -51,13 +57,13 @@ def _hermes(call_json: str, parallel: bool) -> str:
     )
 
 
-def _llama3_json(call_json: str, parallel: bool) -> str:
+def _llama3_json(call_json: str, parallel: bool, allow_text: bool) -> str:
     # A reply is either text that does not open with a JSON object, or only calls: the
     # parser reads an answer that starts with `{` as calls separated by `;`.
     more = '("; " call)*' if parallel else ""
     return "\n".join(
         [
-            f"start: TEXT | call {more}",
+            f"start: TEXT | call {more}" if allow_text else f"start: call {more}",
             r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/ & ~/(?s:.*<\|python_tag\|>.*)/",
             f"call: {call_json}",
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from forklift.server.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, calls_from_array
+from forklift.server.tool_parsers import ParsedOutput, ToolCall, ToolCallParser
 from forklift.server.tools import ToolRequest
 
 
@@ -13,8 +13,6 @@ def parse_choice(text: str, tools: ToolRequest, parser: ToolCallParser) -> Parse
     mode = tools.choice.mode
     if mode == "named":
         return ParsedOutput("", [ToolCall(tools.choice.name or "", text)])
-    if mode == "required":
-        return ParsedOutput("", calls_from_array(text))
     return parser.parse(text)
 
 

@@ -151,18 +151,6 @@ def make_parser(name: str, tool_names: frozenset[str] | None = None) -> ToolCall
     raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
 
 
-def calls_from_array(text: str) -> list[ToolCall]:
-    """The output of `tool_choice: required`: [{"name": ..., "parameters": {...}}, ...]."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if not isinstance(items, list):
-        return []
-    calls = [_call_from_value(item, ("parameters", "arguments"), False) for item in items]
-    return [c for c in calls if c is not None]
-
-
 def _call_from_json(
     text: str, argument_keys: tuple[str, ...], require_arguments: bool
 ) -> ToolCall | None:

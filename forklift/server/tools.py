@@ -4,9 +4,11 @@ prompt and the decoder need.
 - `none`: the model answers in text; no call is parsed.
 - `auto` (the default with tools): the model may call tools; the output is parsed by the
   server's tool-call parser.
-- `required`: decoding is constrained to a JSON array of one or more calls
-  `[{"name": ..., "parameters": {...}}]`, one schema branch per tool.
+- `required`: decoding is constrained to one or more calls in the parser's format, one
+  schema branch per tool.
 - a named function: decoding is constrained to that function's parameters.
+
+Arguments hold only the parameters a function declares (`closed_schema`).
 
 `parallel_tool_calls: false` allows at most one call. With `auto`, it and a `strict` tool
 constrain decoding to one grammar that allows text or calls (tool_grammar.py).
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklift.server.errors import APIError
-from forklift.server.tool_grammar import auto_tool_grammar
+from forklift.server.tool_grammar import tool_call_grammar
 from forklift.structured.params import StructuredOutputsParams
 
 
@@ -58,20 +60,15 @@ class ToolRequest:
     def constraint(self, parser: str) -> StructuredOutputsParams | None:
         """What decoding is held to; `parser` names the format calls are written in."""
         if self.choice.mode == "named":
-            parameters = self.functions[self.choice.name or ""]["parameters"]
+            parameters = closed_schema(self.functions[self.choice.name or ""]["parameters"])
             return StructuredOutputsParams(json=parameters, param="tool_choice")
-        if self.choice.mode == "required":
-            calls, definitions = self._call_schemas("parameters")
-            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not self.parallel:
-                schema["maxItems"] = 1
-            if definitions:
-                schema["$defs"] = definitions
-            return StructuredOutputsParams(json=schema, param="tools")
-        if self.choice.mode == "auto" and self.tools and (self.has_strict or not self.parallel):
+        if self.choice.mode == "required" or (
+            self.choice.mode == "auto" and self.tools and (self.has_strict or not self.parallel)
+        ):
             calls, definitions = self._call_schemas(_ARGUMENTS_KEY[parser])
-            grammar = auto_tool_grammar(calls, definitions, parser, self.parallel)
-            param = "tools" if self.has_strict else "parallel_tool_calls"
+            allow_text = self.choice.mode == "auto"
+            grammar = tool_call_grammar(calls, definitions, parser, self.parallel, allow_text)
+            param = "parallel_tool_calls" if allow_text and not self.has_strict else "tools"
             return StructuredOutputsParams(grammar=grammar, param=param)
         return None
 
@@ -80,7 +77,7 @@ class ToolRequest:
         tools' `$defs` gathered for the combined schema's root."""
         calls, definitions = [], {}
         for name, function in self.functions.items():
-            parameters = dict(function["parameters"])
+            parameters = closed_schema(function["parameters"])
             # `#/$defs/X` references (pydantic writes them) point at the document's root:
             # the tools' definitions move up to the combined schema's root.
             found = parameters.pop("$defs", {})
@@ -104,6 +101,27 @@ class ToolRequest:
             )
         return calls, definitions
 
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with every object that lists its `properties` closed to others, unless it
+    says otherwise: a call's arguments are the parameters the function declares (OpenAI's
+    strict mode asks the same), where JSON Schema alone would let a small model invent keys
+    until its tokens run out. An object without `properties` stays open."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {
+        key: value if key in _VALUE_KEYWORDS else closed_schema(value)
+        for key, value in schema.items()
+    }
+    if "properties" in closed and not {"additionalProperties", "patternProperties"} & set(closed):
+        closed["additionalProperties"] = False
+    return closed
+
+
+# Keywords whose values are data, not schemas.
+_VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 # The key each parser's call format puts the arguments under.
 _ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}
