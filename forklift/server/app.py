@@ -24,7 +24,7 @@ from forklift.server.admin import ADMIN_PATHS, add_admin_routes
 from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.chat import chat_prompt_ids, create_chat_completion
 from forklift.server.completions import create_completion
-from forklift.server.errors import APIError, error_response
+from forklift.server.errors import APIError, error_response, invalid_body
 from forklift.server.limits import ServerLimits
 from forklift.server.lora_routes import adapter_models, add_lora_routes
 from forklift.server.metrics import ServerMetrics
@@ -178,14 +178,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = location[0] if location else None
-        where = ".".join(location)
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return error_response(400, message, param)
+    async def invalid_request_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
