@@ -1,4 +1,5 @@
-"""The command line: generate, chat, serve, tokenizer export, kv-calc, bench, rl."""
+"""The command line: generate, chat, serve, run-batch (OpenAI batch files), tokenizer export,
+kv-calc, bench, rl."""
 
 from __future__ import annotations
 
@@ -242,6 +243,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from forklift.server.batch.run_batch import run_batch
+    from forklift.server.serve import default_served_name
+
+    summary = run_batch(
+        engine_config_from_args(args),
+        Path(args.input_file),
+        Path(args.output_file),
+        served_model_name=args.served_model_name or default_served_name(args.model),
+        tool_call_parser=args.tool_call_parser,
+        window=args.max_concurrent_requests,
+        show_progress=not args.no_progress,
+    )
+    print(f"{args.output_file}: {summary.line()}", file=sys.stderr)
+    return 0
+
+
 def parse_lora_modules(modules: list[str] | None, enable_lora: bool) -> list[Any]:
     """`name=path` entries as LoRARequests, numbered from 1."""
     from forklift.lora_request import LoRARequest
@@ -371,6 +389,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tool calls are read from output under tool_choice 'auto' (see docs/serving.md)",
     )
     srv.set_defaults(func=cmd_serve)
+
+    batch = sub.add_parser(
+        "run-batch",
+        help="answer an OpenAI batch file (JSONL) offline; a rerun resumes",
+        description="Answer every line of an OpenAI batch input file (custom_id, method, url "
+        "/v1/chat/completions or /v1/completions, body) as the server would, all at once "
+        "through one engine, appending OpenAI batch output records as answers finish. A "
+        "rerun with the same output file skips the custom_ids it already holds.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch input JSONL")
+    batch.add_argument("-o", "--output-file", required=True, help="the output JSONL (appended)")
+    batch.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name request bodies may give (default: the model's name)",
+    )
+    batch.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes")
+    batch.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: twice --max-num-seqs)",
+    )
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_engine_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
