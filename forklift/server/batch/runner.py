@@ -24,13 +24,19 @@ RecordSink = Callable[[dict[str, Any]], None]
 _OVERLOADED_RETRY_S = 0.25
 
 
+class BatchInterrupted(Exception):
+    """A request was aborted (the server shutting down): its answer is not the answer, so it
+    is not recorded and the run stops, to be resumed."""
+
+
 async def run_lines(
     ctx: ServerContext, lines: Iterable[BatchLine], emit: RecordSink, window: int
 ) -> None:
     """Answer every line, emitting one record each (bad lines at once, in order).
 
     An engine that stops taking requests (draining, dead) ends the run with its error: the
-    records emitted so far stand and the rest are left for a resumed run."""
+    records emitted so far stand and the rest are left for a resumed run (an aborted request
+    ends it the same way, with BatchInterrupted)."""
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
     slots = asyncio.Semaphore(window)
@@ -39,8 +45,11 @@ async def run_lines(
 
     async def run_one(item: BatchRequest) -> None:
         try:
-            emit(answer_record(item.custom_id, await _answer_when_queued(ctx, item)))
-        except (EngineDrainingError, EngineDeadError) as exc:
+            answered = await _answer_when_queued(ctx, item)
+            if _was_aborted(answered):
+                raise BatchInterrupted(f"the request of line {item.line} was aborted")
+            emit(answer_record(item.custom_id, answered))
+        except (EngineDrainingError, EngineDeadError, BatchInterrupted) as exc:
             stopped.append(exc)
         finally:
             slots.release()
@@ -77,3 +86,8 @@ async def _answer_when_queued(ctx: ServerContext, item: BatchRequest) -> Endpoin
             logger.exception("batch line %d (custom_id %r) failed", item.line, item.custom_id)
             body = error_body(500, "internal error while answering this request")
             return EndpointAnswer(500, f"req-{uuid.uuid4().hex}", body)
+
+
+def _was_aborted(answered: EndpointAnswer) -> bool:
+    choices = answered.body.get("choices") or []
+    return any(choice.get("finish_reason") == "abort" for choice in choices)
