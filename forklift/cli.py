@@ -214,6 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         if lora_modules:
             raise ValueError("--lora-modules: data-parallel replicas do not load adapters yet")
+        if args.batch_dir is not None:
+            raise ValueError("--batch-dir: the data-parallel front end runs no batches yet")
 
         return serve_data_parallel(
             engine_config_from_args(args),
@@ -240,6 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         lora_modules=lora_modules,
+        batch_dir=Path(args.batch_dir) if args.batch_dir is not None else None,
     )
 
 
@@ -290,6 +293,12 @@ def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
         help="largest POST /v1/weights body (streamed to a temporary file)",
     )
     group.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=defaults.max_file_bytes,
+        help="largest POST /v1/files upload (a batch input file)",
+    )
+    group.add_argument(
         "--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request
     )
 
@@ -300,6 +309,7 @@ def server_limits_from_args(args: argparse.Namespace) -> Any:
     return ServerLimits(
         max_body_bytes=args.max_body_bytes,
         max_weights_body_bytes=args.max_weights_body_bytes,
+        max_file_bytes=args.max_file_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
     )
 
@@ -387,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["hermes", "llama3_json"],
         default="hermes",
         help="how tool calls are read from output under tool_choice 'auto' (see docs/serving.md)",
+    )
+    srv.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="serve /v1/files and /v1/batches, keeping uploads, batch state and results in "
+        "DIR (batches left running resume when the server restarts); default off",
     )
     srv.set_defaults(func=cmd_serve)
 
