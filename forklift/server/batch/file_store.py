@@ -74,7 +74,10 @@ class FileStore:
         """Newest first."""
         files = []
         for description in self.directory.glob("file-*.json"):
-            stored = self.get(description.stem)
+            try:
+                stored = self.get(description.stem)
+            except APIError:  # deleted since the directory was read
+                continue
             if purpose is None or stored.purpose == purpose:
                 files.append(stored)
         return sorted(files, key=lambda f: (f.created_at, f.id), reverse=True)

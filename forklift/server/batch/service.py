@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 from forklift.engine.async_engine import EngineDeadError, EngineDrainingError
 from forklift.server.batch.file_store import FileStore
@@ -150,7 +151,7 @@ class BatchService:
         pending = [line for line in lines if line.key not in finished.keys]
         answers, errors = RecordWriter(answers_path), RecordWriter(errors_path)
 
-        def emit(record: dict) -> None:
+        def emit(record: dict[str, Any]) -> None:
             if is_failure(record):
                 errors.append(record)
                 batch.request_counts.failed += 1
