@@ -1,4 +1,5 @@
-"""The command line: generate, chat, serve, tokenizer export, kv-calc, bench, rl."""
+"""The command line: generate, chat, serve, run-batch (OpenAI batch files), tokenizer export,
+kv-calc, bench, rl."""
 
 from __future__ import annotations
 
@@ -213,6 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         if lora_modules:
             raise ValueError("--lora-modules: data-parallel replicas do not load adapters yet")
+        if args.batch_dir is not None:
+            raise ValueError("--batch-dir: the data-parallel front end runs no batches yet")
 
         return serve_data_parallel(
             engine_config_from_args(args),
@@ -239,7 +242,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         lora_modules=lora_modules,
+        batch_dir=Path(args.batch_dir) if args.batch_dir is not None else None,
     )
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from forklift.server.batch.run_batch import run_batch
+    from forklift.server.serve import default_served_name
+
+    summary = run_batch(
+        engine_config_from_args(args),
+        Path(args.input_file),
+        Path(args.output_file),
+        served_model_name=args.served_model_name or default_served_name(args.model),
+        tool_call_parser=args.tool_call_parser,
+        window=args.max_concurrent_requests,
+        show_progress=not args.no_progress,
+    )
+    print(f"{args.output_file}: {summary.line()}", file=sys.stderr)
+    return 0
 
 
 def parse_lora_modules(modules: list[str] | None, enable_lora: bool) -> list[Any]:
@@ -272,6 +293,12 @@ def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
         help="largest POST /v1/weights body (streamed to a temporary file)",
     )
     group.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=defaults.max_file_bytes,
+        help="largest POST /v1/files upload (a batch input file)",
+    )
+    group.add_argument(
         "--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request
     )
 
@@ -282,6 +309,7 @@ def server_limits_from_args(args: argparse.Namespace) -> Any:
     return ServerLimits(
         max_body_bytes=args.max_body_bytes,
         max_weights_body_bytes=args.max_weights_body_bytes,
+        max_file_bytes=args.max_file_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
     )
 
@@ -370,7 +398,40 @@ def build_parser() -> argparse.ArgumentParser:
         default="hermes",
         help="how tool calls are read from output under tool_choice 'auto' (see docs/serving.md)",
     )
+    srv.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="serve /v1/files and /v1/batches, keeping uploads, batch state and results in "
+        "DIR (batches left running resume when the server restarts); default off",
+    )
     srv.set_defaults(func=cmd_serve)
+
+    batch = sub.add_parser(
+        "run-batch",
+        help="answer an OpenAI batch file (JSONL) offline; a rerun resumes",
+        description="Answer every line of an OpenAI batch input file (custom_id, method, url "
+        "/v1/chat/completions or /v1/completions, body) as the server would, all at once "
+        "through one engine, appending OpenAI batch output records as answers finish. A "
+        "rerun with the same output file skips the custom_ids it already holds.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch input JSONL")
+    batch.add_argument("-o", "--output-file", required=True, help="the output JSONL (appended)")
+    batch.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name request bodies may give (default: the model's name)",
+    )
+    batch.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes")
+    batch.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: twice --max-num-seqs)",
+    )
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_engine_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,10 +22,12 @@ from forklift.engine.async_engine import (
 )
 from forklift.engine.engine import LLMEngine
 from forklift.server.admin import ADMIN_PATHS, add_admin_routes
+from forklift.server.batch.routes import add_batch_routes
+from forklift.server.batch.service import BatchService
 from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.chat import chat_prompt_ids, create_chat_completion
 from forklift.server.completions import create_completion
-from forklift.server.errors import APIError, error_response
+from forklift.server.errors import APIError, error_response, invalid_body
 from forklift.server.limits import ServerLimits
 from forklift.server.lora_routes import adapter_models, add_lora_routes
 from forklift.server.metrics import ServerMetrics
@@ -52,8 +55,10 @@ def build_app(
     enable_trainer_routes: bool = False,
     tool_call_parser: str = "hermes",
     engine_thread: bool = True,
+    batch_dir: Path | None = None,
 ) -> FastAPI:
-    """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request.
+    """The app; trainer routes (weights, pause, sleep, prefix-cache reset) only on request;
+    /v1/files and /v1/batches with a `batch_dir` to keep their files and state in.
 
     `engine_thread=False`: the engine loop is not started; the caller runs
     `app.state.ctx.async_engine.run_here()` (see `forklift.server.serve`)."""
@@ -64,10 +69,15 @@ def build_app(
     )
     limits = limits or ServerLimits()
     ctx = ServerContext(async_engine, served_model_name, limits, tool_call_parser)
+    batches = BatchService(ctx, batch_dir) if batch_dir is not None else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if batches is not None:
+            await batches.start()  # resumes the batches a stopped server left running
         yield
+        if batches is not None:
+            await batches.stop()
         async_engine.shutdown()
 
     app = FastAPI(title="forklift", version=__version__, lifespan=lifespan)
@@ -80,6 +90,7 @@ def build_app(
     if api_key is not None:
         install_api_key_check(app, api_key)
     _add_routes(app, ctx, metrics)
+    add_batch_routes(app, batches)
     app.state.status = SnapshotSource(async_engine, metrics.history, served_model_name)
     add_status_routes(app, app.state.status)
     if enable_trainer_routes:
@@ -178,14 +189,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = location[0] if location else None
-        where = ".".join(location)
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return error_response(400, message, param)
+    async def invalid_request_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

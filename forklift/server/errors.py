@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -11,6 +13,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     503: "server_overloaded",
 }
@@ -35,6 +38,9 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.param, self.headers, self.code)
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
 
 def error_response(
     status: int,
@@ -43,8 +49,16 @@ def error_response(
     headers: dict[str, str] | None = None,
     code: str | None = None,
 ) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """`code`: OpenAI's machine-readable reason where it has one, else the status."""
-    body = {
+    return {
         "error": {
             "message": message,
             "type": _ERROR_TYPES.get(status, "server_error"),
@@ -52,7 +66,17 @@ def error_response(
             "code": code or status,
         }
     }
-    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """pydantic's validation errors of a request body -> a 400 naming the first field."""
+    first = errors[0] if errors else {}
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(location)
+    message = first.get("msg", "invalid request")
+    return APIError(
+        400, f"{where}: {message}" if where else message, location[0] if location else None
+    )
 
 
 def bad_request(exc: ValueError) -> APIError:

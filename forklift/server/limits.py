@@ -12,6 +12,7 @@ from forklift.config import EngineConfig
 from forklift.server.errors import APIError
 
 WEIGHTS_PATH = "/v1/weights"
+FILES_PATH = "/v1/files"
 LORA_WEIGHTS_PATH = "/v1/update_lora_adapter"
 
 
@@ -22,21 +23,24 @@ class ServerLimits:
     # Bytes of a `POST /v1/weights` (or /v1/update_lora_adapter) safetensors body, streamed
     # to a temporary file.
     max_weights_body_bytes: int = 16 * 2**30
+    # Bytes of a `POST /v1/files` upload (a batch input file; OpenAI's limit is 200 MB).
+    max_file_bytes: int = 200 * 2**20
     # Prompts in one /v1/completions request (each becomes a request of its own).
     max_prompts_per_request: int = 128
     # Entries of `logit_bias` (OpenAI's own limit is 300).
     max_logit_bias: int = 300
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_weights_body_bytes", "max_prompts_per_request",
-                     "max_logit_bias"):  # fmt: skip
+        for name in ("max_body_bytes", "max_weights_body_bytes", "max_file_bytes",
+                     "max_prompts_per_request", "max_logit_bias"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def body_limit(self, path: str) -> int:
-        weights = path in (WEIGHTS_PATH, LORA_WEIGHTS_PATH)
-        return self.max_weights_body_bytes if weights else self.max_body_bytes
+        if path in (WEIGHTS_PATH, LORA_WEIGHTS_PATH):
+            return self.max_weights_body_bytes
+        return self.max_file_bytes if path == FILES_PATH else self.max_body_bytes
 
 
 def at_most(field: str, count: int, limit: int, limit_name: str) -> None:

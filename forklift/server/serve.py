@@ -56,8 +56,10 @@ def serve(
     out: TextIO = sys.stdout,
     tool_call_parser: str = "hermes",
     lora_modules: Sequence[LoRARequest] = (),
+    batch_dir: Path | None = None,
 ) -> int:
-    """Serve until SIGTERM / SIGINT; `lora_modules` are loaded (and checked) first."""
+    """Serve until SIGTERM / SIGINT; `lora_modules` are loaded (and checked) first;
+    `batch_dir` keeps the files and batches of /v1/files and /v1/batches."""
     check_trainer_routes_exposure(host, api_key, enable_trainer_routes)  # before any loading
     engine = LLMEngine(config)
     name = served_model_name or default_served_name(config.model)
@@ -74,6 +76,7 @@ def serve(
         enable_trainer_routes,
         tool_call_parser=tool_call_parser,
         engine_thread=False,
+        batch_dir=batch_dir,
     )
     async_engine = app.state.ctx.async_engine
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
