@@ -15,6 +15,7 @@ from forklift.engine.engine import LLMEngine
 from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
+from forklift.tokenizer import Tokenizer
 
 T = TypeVar("T")
 Conversation = list[dict[str, Any]]
@@ -30,7 +31,8 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs))
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, with transformers' methods (None: prompts must be ids)."""
         return self.llm_engine.tokenizer
 
     # ---- RL: weights in, memory out (see the LLMEngine methods of the same names) ----------

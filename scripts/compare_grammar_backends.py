@@ -55,7 +55,7 @@ REPEATS = 5
 def main() -> None:
     tokenizer = load_tokenizer(resolve_model(None))
     assert tokenizer is not None
-    vocab_size = tokenizer.vocab_size
+    vocab_size = len(tokenizer)
     eos = sorted(tokenizer.eos_token_ids)
     cases = {
         "json schema": (SCHEMA, json.dumps(EXAMPLE, separators=(",", ":"))),

@@ -40,8 +40,7 @@ def test_default_model_greedy_parity(default_llm_fp32, hf_oracle):
     tokenizer = llm.get_tokenizer()
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     prompt_ids = [
-        tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)
-        for c in conversations
+        tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations
     ]
     assert len({len(p) for p in prompt_ids}) == len(PROMPTS)  # all lengths differ
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)

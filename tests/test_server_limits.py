@@ -157,7 +157,7 @@ def test_tokenizer_export_loads_in_transformers(tmp_path, default_source):
     assert hf.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False)
     messages = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
-        ours.apply_chat_template(messages)
+        ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     )
 
 

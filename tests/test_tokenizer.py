@@ -98,8 +98,8 @@ def test_decode_round_trips(tok: Tokenizer, text: str) -> None:
 
 def test_decode_skips_control_tokens(tok: Tokenizer, oracle) -> None:
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>x<repo_name>y")
-    assert tok.decode(ids) == "user\nhixy"
-    assert tok.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhixy"
+    assert tok.decode(ids, skip_special_tokens=True) == oracle.decode(ids, skip_special_tokens=True)
 
 
 def test_token_text(tok: Tokenizer) -> None:
@@ -112,17 +112,17 @@ def test_token_text(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_chat_template_matches_oracle(tok: Tokenizer, oracle, conversation) -> None:
-    ours = tok.apply_chat_template(conversation, add_generation_prompt=True)
+    ours = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     theirs = oracle.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
     assert ours.endswith("<|im_start|>assistant\n")
-    no_prompt = tok.apply_chat_template(conversation, add_generation_prompt=False)
+    no_prompt = tok.apply_chat_template(conversation, tokenize=False)
     assert not no_prompt.endswith("<|im_start|>assistant\n")
 
 
 def test_chat_content_parts_are_joined(tok: Tokenizer) -> None:
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-    rendered = tok.apply_chat_template([{"role": "user", "content": parts}])
+    rendered = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
     assert "<|im_start|>user\nfirst\nsecond<|im_end|>" in rendered
 
 
@@ -161,6 +161,8 @@ def test_save_then_from_hf_dir_round_trip(tok: Tokenizer, saved_dir: Path) -> No
     assert reloaded.chat_template == tok.chat_template
     for conversation in CONVERSATIONS:
         assert reloaded.apply_chat_template(conversation) == tok.apply_chat_template(conversation)
+        text = tok.apply_chat_template(conversation, tokenize=False)
+        assert reloaded.apply_chat_template(conversation, tokenize=False) == text
     assert reloaded.bos_token_id == tok.bos_token_id
     assert reloaded.eos_token_ids == tok.eos_token_ids
     assert reloaded.all_special_ids == tok.all_special_ids
@@ -176,7 +178,9 @@ def test_saved_dir_loads_in_transformers(tok: Tokenizer, saved_dir: Path) -> Non
         assert fast.encode(text, add_special_tokens=False) == tok.encode(text)
     conversation = CONVERSATIONS[1]
     rendered = auto.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert rendered == tok.apply_chat_template(conversation)
+    assert rendered == tok.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
 
 
 # ---------------------------------------------------------------------- HF directories
@@ -228,8 +232,10 @@ def test_from_hf_dir_reads_config_variants(tmp_path: Path) -> None:
     assert tok.encode("hello world") == [1, 3, 4]
     assert tok.encode("<s> hello") == [1, 3]  # no second BOS
     assert tok.encode("hello", add_special_tokens=False) == [3]
-    assert tok.decode([1, 3, 4, 2]) == "hello world"
-    assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "<s>hey"
+    assert tok.decode([1, 3, 4, 2], skip_special_tokens=True) == "hello world"
+    assert tok.apply_chat_template([{"role": "user", "content": "hey"}], tokenize=False) == (
+        "<s>hey"
+    )
 
 
 def test_chat_template_file_wins_and_raise_exception(tmp_path: Path) -> None:
@@ -242,10 +248,10 @@ def test_chat_template_file_wins_and_raise_exception(tmp_path: Path) -> None:
     (directory / "chat_template.jinja").write_text(template)
     tok = Tokenizer.from_hf_dir(directory)
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    assert tok.apply_chat_template(messages) == "a,b"
+    assert tok.apply_chat_template(messages, tokenize=False) == "a,b"
     tools = [{"name": "f", "description": "é<x>"}]
     assert (
-        tok.apply_chat_template(messages, tools=tools)
+        tok.apply_chat_template(messages, tools=tools, tokenize=False)
         == 'a,b [{"name": "f", "description": "é<x>"}]'
     )
     with pytest.raises(ValueError, match="first must be user"):
@@ -315,7 +321,7 @@ def test_gguf_bos_eot_and_user_defined_tokens(tmp_path: Path) -> None:
     assert 3 in tok.encode("hello my tok")
     assert tok.eos_token_ids == frozenset({1, 2})
     assert tok.all_special_ids == frozenset({0, 1, 2})
-    assert tok.decode(tok.encode("hello my tok<|eot|>")) == "hello my tok"
+    assert tok.decode(tok.encode("hello my tok<|eot|>"), skip_special_tokens=True) == "hello my tok"
     assert tok.chat_template is None
 
 

@@ -231,7 +231,7 @@ def make_tiny_byte_level_model(directory: Path, tokenizer: ForkliftTokenizer) ->
     config = transformers.LlamaConfig(
         **{
             **_COMMON,
-            "vocab_size": tokenizer.vocab_size,
+            "vocab_size": len(tokenizer),
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_attention_heads": 2,

@@ -99,7 +99,7 @@ def hf_rollouts(
                 prompts[group],
                 tokens[:length],
                 logprobs[row, :length].tolist(),
-                tokenizer.decode(tokens[:length]),
+                tokenizer.decode(tokens[:length], skip_special_tokens=True),
             )  # fmt: skip
         )
     return rollouts

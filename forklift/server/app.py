@@ -42,6 +42,7 @@ from forklift.server.responses import create_response, delete_response, retrieve
 from forklift.server.responses_protocol import ResponsesRequest
 from forklift.server.serving import ServerContext
 from forklift.server.status import STATUS_JSON_PATH, SnapshotSource, add_status_routes
+from forklift.server.tokenizer_info import tokenizer_info
 from forklift.server.tool_parsers import make_parser
 from forklift.version import __version__
 
@@ -159,15 +160,21 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        tokenizer = ctx.tokenizer
         if body.messages is not None:
             tokens = await asyncio.to_thread(
                 chat_prompt_ids, ctx, body.messages, body.add_generation_prompt
             )
         else:
-            tokenizer = ctx.tokenizer
             text = body.prompt or ""
             tokens = await asyncio.to_thread(tokenizer.encode, text, body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        pieces = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.max_model_len,
+            "tokens": tokens,
+            "token_strs": pieces,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
@@ -177,6 +184,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(ctx.tokenizer, engine.max_model_len)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

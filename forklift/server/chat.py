@@ -26,12 +26,14 @@ from forklift.server.tool_output import ToolCallStreamer, final_message, stream_
 from forklift.server.tool_parsers import make_parser
 from forklift.server.tool_prompt import prepare_conversation
 from forklift.server.tools import ToolRequest, tool_request
+from forklift.tokenizer import CHAT_TEMPLATE_ARGUMENTS
 
-# Variables the server passes to the chat template itself; a request may not override them.
+# Variables the server passes to the chat template itself, and the names apply_chat_template
+# takes as its own arguments (`tokenize`, `return_tensors`...); a request may set none of them.
 _TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
      "pad_token"}
-)  # fmt: skip
+) | CHAT_TEMPLATE_ARGUMENTS  # fmt: skip
 
 
 def chat_prompt_ids(

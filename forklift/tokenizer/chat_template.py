@@ -11,6 +11,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from forklift.tokenizer.final_message import cut_at_mark, mark_final_message
 from forklift.tokenizer.special_tokens import SpecialTokens
 
 
@@ -25,26 +26,39 @@ class ChatTemplate:
     def render(
         self,
         conversation: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None,
-        extra: Mapping[str, Any],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """Prompt text for `conversation`; `extra` variables override the standard ones."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt exclude each other: one "
+                "continues the last message, the other opens a new one"
+            )
+        messages = _validate_messages(conversation)
+        if continue_final_message:
+            messages = mark_final_message(messages)
         special = self._special
         variables: dict[str, Any] = {
-            "messages": _validate_messages(conversation),
+            "messages": messages,
             "tools": tools,
+            "documents": documents,
             "add_generation_prompt": add_generation_prompt,
             "bos_token": special.bos_token or "",
             "eos_token": special.eos_token or "",
             "unk_token": special.unk_token or "",
             "pad_token": special.pad_token or "",
         }
-        variables.update(extra)
+        variables.update(extra or {})
         try:
-            return self._compiled.render(**variables)
+            rendered = self._compiled.render(**variables)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        return cut_at_mark(rendered) if continue_final_message else rendered
 
     @cached_property
     def _compiled(self) -> jinja2.Template:

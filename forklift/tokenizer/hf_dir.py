@@ -53,6 +53,15 @@ def write_hf_dir(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     backend.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", tokenizer_config(special))
+    if generation_eos_ids:
+        _write_json(
+            directory / "generation_config.json", {"eos_token_id": list(generation_eos_ids)}
+        )
+
+
+def tokenizer_config(special: SpecialTokens) -> dict[str, Any]:
+    """The `tokenizer_config.json` fields for `special`, the chat template among them."""
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": special.bos_token,
@@ -65,11 +74,7 @@ def write_hf_dir(
     }
     if special.chat_template is not None:
         config["chat_template"] = special.chat_template
-    _write_json(directory / "tokenizer_config.json", config)
-    if generation_eos_ids:
-        _write_json(
-            directory / "generation_config.json", {"eos_token_id": list(generation_eos_ids)}
-        )
+    return config
 
 
 def _read_json(path: Path) -> dict[str, Any]:
