@@ -49,6 +49,12 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_each(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the streams' event loop: hand each output to its stream's queue."""
+    for stream, output in items:
+        stream.queue.put_nowait(output)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -314,6 +320,12 @@ class AsyncEngine:
             for output in outputs:
                 if output.finished:
                     self._streams.pop(output.request_id, None)
+        # One wake-up per event loop per step, not one per request: each call_soon_threadsafe
+        # writes to the loop's self-pipe, and on two cores the woken loop competes with the
+        # step's threads.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for stream, output in targets:
             if stream is not None:
-                stream.put(output)
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
