@@ -14,8 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from server_harness import free_port, running_server
-from test_run_batch import CHAT_TEMPLATE
-from tiny_models import make_tiny_model
+from test_run_batch import make_tiny_chat_model
 
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
@@ -26,13 +25,7 @@ ENGINE = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**21)
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-batch-api")
-    make_tiny_model("llama", directory)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return directory
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-batch-api"))
 
 
 def chat_line(i: int, max_tokens: int = 4, **extra) -> dict:

@@ -32,7 +32,11 @@ MALFORMED = [
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-batch")
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-batch"))
+
+
+def make_tiny_chat_model(directory: Path) -> Path:
+    """A tiny random Llama whose tokenizer has a plain chat template."""
     make_tiny_model("llama", directory)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text())

@@ -213,26 +213,21 @@ def agents_cases(target: Target) -> dict[str, Callable[[], str]]:
         )
         return _text(str(second.final_output))
 
-    return {
-        "responses, text": text("responses"),
-        "responses, tool (auto, strict)": tool("responses"),
-        "responses, tool forced (required)": tool("responses", tool_choice="required"),
-        "responses, parallel_tool_calls=False": tool("responses", parallel_tool_calls=False),
-        "responses, forced, parallel_tool_calls=False": tool(
-            "responses", tool_choice="required", parallel_tool_calls=False
-        ),
-        "responses, output_type": output_type("responses"),
-        "responses, streamed": lambda: asyncio.run(streamed()),
-        "responses, previous_response_id": lambda: asyncio.run(previous_response()),
-        "chat completions, text": text("chat"),
-        "chat completions, tool (auto, strict)": tool("chat"),
-        "chat completions, tool forced (required)": tool("chat", tool_choice="required"),
-        "chat completions, parallel_tool_calls=False": tool("chat", parallel_tool_calls=False),
-        "chat completions, forced, parallel_tool_calls=False": tool(
-            "chat", tool_choice="required", parallel_tool_calls=False
-        ),
-        "chat completions, output_type": output_type("chat"),
-    }
+    cases: dict[str, Callable[[], str]] = {}
+    for api, label in (("responses", "responses"), ("chat", "chat completions")):
+        cases |= {
+            f"{label}, text": text(api),
+            f"{label}, tool (auto, strict)": tool(api),
+            f"{label}, tool forced (required)": tool(api, tool_choice="required"),
+            f"{label}, parallel_tool_calls=False": tool(api, parallel_tool_calls=False),
+            f"{label}, forced, parallel_tool_calls=False": tool(
+                api, tool_choice="required", parallel_tool_calls=False
+            ),
+            f"{label}, output_type": output_type(api),
+        }
+    cases["responses, streamed"] = lambda: asyncio.run(streamed())
+    cases["responses, previous_response_id"] = lambda: asyncio.run(previous_response())
+    return cases
 
 
 def litellm_cases(target: Target) -> dict[str, Callable[[], str]]:
