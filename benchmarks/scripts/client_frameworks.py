@@ -1,10 +1,10 @@
-"""Run the agent frameworks and clients people build on against a running `forklift serve`,
-with each client's defaults, and record which cases work.
+"""Run the agent frameworks, clients and eval harness people build on against a running
+`forklift serve`, with each client's defaults, and record which cases work.
 
 The frameworks are not forklift's dependencies: install them beside it in any environment,
 start the server, then run this script with that environment's Python:
 
-    pip install langchain-openai openai-agents litellm
+    pip install langchain-openai openai-agents litellm lm-eval
     forklift serve &
     python benchmarks/scripts/client_frameworks.py --base-url http://127.0.0.1:8000/v1
 
@@ -308,6 +308,47 @@ def litellm_cases(target: Target) -> dict[str, Callable[[], str]]:
     }
 
 
+def lm_eval_cases(target: Target) -> dict[str, Callable[[], str]]:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    # The harness's own tokenizer through the server (no tokenizer directory): it reads
+    # /tokenizer_info, then tokenizes with /tokenize and /detokenize.
+    lm = LocalCompletionsAPI(
+        model=target.model,
+        base_url=target.base_url + "/completions",
+        tokenizer_backend="remote",
+        num_concurrent=1,
+    )
+
+    def loglikelihood() -> str:
+        context = "The capital of France is"
+        paris, berlin = lm.loglikelihood(
+            [
+                Instance("loglikelihood", {}, (context, " Paris"), 0),
+                Instance("loglikelihood", {}, (context, " Berlin"), 1),
+            ]
+        )
+        if not paris[0] > berlin[0]:
+            raise AssertionError(f"Paris {paris[0]:.2f} not above Berlin {berlin[0]:.2f}")
+        return f"Paris {paris[0]:.2f} (greedy {paris[1]}), Berlin {berlin[0]:.2f}"
+
+    def generate_until() -> str:
+        request = ("Q: What is 2+2?\nA:", {"until": ["\n"], "max_gen_toks": 10})
+        return _text(lm.generate_until([Instance("generate_until", {}, request, 0)])[0])
+
+    def rolling() -> str:
+        text = ("Paris is the capital of France.",)
+        (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, text, 0)])
+        return f"{total:.2f} nats"
+
+    return {
+        "local-completions, remote tokenizer: loglikelihood": loglikelihood,
+        "local-completions, remote tokenizer: generate_until": generate_until,
+        "local-completions, remote tokenizer: loglikelihood_rolling": rolling,
+    }
+
+
 def _text(value: Any) -> str:
     text = str(value).strip()
     if not text:
@@ -326,8 +367,18 @@ def _city(answer: Any) -> str:
     return f"{city.city}, {city.country}"[:60]
 
 
-CLIENTS = {"langchain": langchain_cases, "agents-sdk": agents_cases, "litellm": litellm_cases}
-PACKAGES = {"langchain": "langchain-openai", "agents-sdk": "openai-agents", "litellm": "litellm"}
+CLIENTS = {
+    "langchain": langchain_cases,
+    "agents-sdk": agents_cases,
+    "litellm": litellm_cases,
+    "lm-eval": lm_eval_cases,
+}
+PACKAGES = {
+    "langchain": "langchain-openai",
+    "agents-sdk": "openai-agents",
+    "litellm": "litellm",
+    "lm-eval": "lm_eval",
+}
 
 
 def run_cases(target: Target, clients: list[str]) -> list[CaseResult]:
