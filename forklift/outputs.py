@@ -18,14 +18,52 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One step that computed some of a request's prompt (a cache hit computes none)."""
+
+    start_time: float
+    end_time: float
+    prompt_tokens: int  # this request's prompt tokens in the step
+    step_tokens: int  # every row of the step, decodes and other prompts included
+
+
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (time.time()) of one request's life."""
+    """Wall-clock timestamps (time.time()) of one request's life, the timeline of its first
+    token: arrival (the server got it), queued (the engine took it), first scheduled, each
+    prefill chunk, first token (sampled), first sent (the server's event loop had it)."""
 
     arrival_time: float
+    queued_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    first_sent_time: float | None = None
     finished_time: float | None = None
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    # Engine steps that ran while the request waited to be scheduled.
+    steps_waited: int = 0
+
+    def first_token_phases(self) -> dict[str, float] | None:
+        """Seconds spent in each phase before the first token reached the server's event
+        loop (None until it has): tokenizing and queueing to the engine, waiting for a
+        step, prefill, the step that samples, delivery. The phases add up to the TTFT."""
+        stamps = (self.queued_time, self.first_scheduled_time, self.first_token_time)
+        if any(t is None for t in stamps) or self.first_sent_time is None:
+            return None
+        queued, scheduled, first_token = stamps
+        assert queued is not None and scheduled is not None and first_token is not None
+        # A preempted request computes its prompt again after its first token: not counted.
+        before = [c for c in self.prefill_chunks if c.start_time <= first_token]
+        prefill_end = before[-1].start_time if before else scheduled
+        return {
+            "to_engine_s": queued - self.arrival_time,
+            "waiting_s": scheduled - queued,
+            "prefill_s": max(prefill_end - scheduled, 0.0),
+            "last_step_s": first_token - max(prefill_end, scheduled),
+            "delivery_s": self.first_sent_time - first_token,
+            "ttft_s": self.first_sent_time - self.arrival_time,
+        }
 
 
 @dataclass

@@ -107,6 +107,9 @@ class LevelResult:
     # forklift started by the benchmark: CPU seconds of its process during the level.
     server_cpu_s: float | None = None
     event_loop_cpu_s: float | None = None
+    # A forklift server's own account of the level's first tokens: the median of each
+    # phase (ms) and of the steps a request waited (see forklift/engine/timelines.py).
+    server_first_token: dict[str, float] | None = None
 
     @classmethod
     def of(cls, concurrency: int, wall_s: float, timings: list[RequestTiming]) -> LevelResult:
@@ -265,8 +268,10 @@ async def _sweep(
         for concurrency in settings.concurrencies:
             bodies = next_bodies(settings.requests_at(concurrency), settings.output_tokens)
             before = _cpu_seconds(server_pid)
+            level_start = time.time()
             wall_s, timings = await _run_level(client, settings.endpoint, concurrency, bodies)
             level = LevelResult.of(concurrency, wall_s, timings)
+            level.server_first_token = await _first_token_medians(client, level_start)
             after = _cpu_seconds(server_pid)
             if before is not None and after is not None:
                 level.server_cpu_s = after[0] - before[0]
@@ -299,6 +304,21 @@ def _thread_name(pid: int, tid: int) -> str:
         return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+async def _first_token_medians(client: httpx.AsyncClient, since: float) -> dict[str, float] | None:
+    """Medians of the server's first-token phases for requests since `since`; None for a
+    server that does not keep timelines (a peer)."""
+    from forklift.server.status import FIRST_TOKEN_JSON_PATH
+
+    response = await client.get(FIRST_TOKEN_JSON_PATH, params={"since": since})
+    if response.status_code != 200:
+        return None
+    timelines = response.json().get("timelines") or []
+    if not timelines:
+        return None
+    keys = [k for k in timelines[0] if k.endswith("_ms") or k == "steps_waited"]
+    return {k: float(np.median([t[k] for t in timelines if k in t])) for k in keys}
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
@@ -349,6 +369,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{lv['e2e_s_p50']:.1f} | {lv['e2e_s_p99']:.1f} |"
         )
     lines += _cpu_lines(report["levels"])
+    lines += _first_token_lines(report["levels"])
     if "peer" in report:
         lines += _peer_lines(report)
     peer_levels = report.get("peer", {}).get("levels", [])
@@ -359,6 +380,32 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"CPU flags: {' '.join(report['cpu_flags'])}."]
     lines.append("")
     return "\n".join(lines)
+
+
+def _first_token_lines(levels: list[dict[str, Any]]) -> list[str]:
+    known = [lv for lv in levels if lv.get("server_first_token")]
+    if not known:
+        return []
+    lines = [
+        "",
+        "Where the first token's time went, by the server's timelines (medians, ms): the "
+        "request reaching the engine (tokenized, queued), waiting for a step, earlier prefill "
+        "chunks, the step that samples it, delivery to the event loop; and the steps waited.",
+        "",
+        "| concurrency | to engine | waiting | steps waited | prefill | last step | delivery "
+        "| server TTFT | client TTFT p50 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in known:
+        ft = lv["server_first_token"]
+        cells = [f"{ft.get(k, float('nan')):.0f}" for k in ("to_engine_ms", "waiting_ms")]
+        cells.append(f"{ft.get('steps_waited', float('nan')):.0f}")
+        cells += [
+            f"{ft.get(k, float('nan')):.0f}"
+            for k in ("prefill_ms", "last_step_ms", "delivery_ms", "ttft_ms")
+        ]
+        lines.append(f"| {lv['concurrency']} | {' | '.join(cells)} | {lv['ttft_ms_p50']:.0f} |")
+    return lines
 
 
 def _cpu_lines(levels: list[dict[str, Any]]) -> list[str]:

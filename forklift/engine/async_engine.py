@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from forklift.core.input_processor import ProcessedPrompt, PromptType
 from forklift.engine.engine import LLMEngine
+from forklift.engine.timelines import FirstTokenTimelines
 from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
@@ -49,12 +51,6 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def _put_each(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """On the streams' event loop: hand each output to its stream's queue."""
-    for stream, output in items:
-        stream.queue.put_nowait(output)
-
-
 @dataclass
 class _Add:
     request_id: str
@@ -82,6 +78,7 @@ class AsyncEngine:
         """`start_thread=False`: the caller runs the loop itself with `run_here()`."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.timelines = FirstTokenTimelines()
         self._on_step = on_step
         self._commands: deque[_Add | _Abort] = deque()
         self._calls: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
@@ -328,4 +325,17 @@ class AsyncEngine:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_each, items)
+            loop.call_soon_threadsafe(self._hand_over, items)
+
+    def _hand_over(self, items: list[tuple[_Stream, RequestOutput]]) -> None:
+        """On the streams' event loop: each output to its stream's queue; the first token's
+        arrival here ends the request's first-token timeline."""
+        now = time.time()
+        for stream, output in items:
+            metrics = output.metrics
+            if metrics is not None and metrics.first_sent_time is None:
+                if any(c.token_ids for c in output.outputs):
+                    metrics.first_sent_time = now
+            if output.finished:
+                self.timelines.record(output)
+            stream.queue.put_nowait(output)

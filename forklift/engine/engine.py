@@ -33,7 +33,7 @@ from forklift.engine.output_processor import (
 from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
-from forklift.outputs import RequestMetrics, RequestOutput
+from forklift.outputs import PrefillChunk, RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.lora_store import LoRALimits
 from forklift.runner.model_runner import ModelRunner
@@ -487,8 +487,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if taken is not None:  # e.g. "x#0" beside another request "x" with n > 1
             raise ValueError(f"request_id {request_id!r} is already in use (as {taken!r})")
-        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        queued = time.time()
+        metrics = RequestMetrics(arrival_time=arrival_time or queued, queued_time=queued)
         parent = ParentRequest(request_id, processed.prompt, prompt_ids, metrics)
+        parent.queued_at_step = self._num_steps
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]  # the first token has nothing before it
         room = self.max_model_len - len(prompt_ids)
@@ -603,6 +605,7 @@ class LLMEngine:
             parent, _ = self._sequences[item.request_id]
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
+                parent.metrics.steps_waited = self._num_steps - parent.queued_at_step
         try:
             result = self.runner.execute(
                 sched.scheduled, sched.state_copies, sched.lora_loads, sched.block_copies
@@ -646,7 +649,23 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         self._record_step(sched, now, time.perf_counter() - started, emitted)
+        self._record_prefill_chunks(sched, now)
         return [self._emit(parent) for parent in touched.values()]
+
+    def _record_prefill_chunks(self, sched: SchedulerOutput, start: float) -> None:
+        """Each request that computed prompt tokens this step notes the step on its
+        timeline (once per request: the samples of n > 1 share their prompt)."""
+        end = time.time()
+        counted: dict[str, int] = {}
+        for item in sched.scheduled:
+            if item.num_prompt_tokens:
+                parent_id = self._sequences[item.request_id][0].request_id
+                counted[parent_id] = max(counted.get(parent_id, 0), item.num_prompt_tokens)
+        for parent_id, tokens in counted.items():
+            parent = self._parents.get(parent_id)
+            if parent is not None:  # not finished and forgotten in this very step
+                chunk = PrefillChunk(start, end, tokens, sched.num_batched_tokens)
+                parent.metrics.prefill_chunks.append(chunk)
 
     def _fork_mtp(self, scheduled: list[ScheduledChunk]) -> None:
         """A sample starting past its prompt's shared blocks takes over the MTP layer's

@@ -60,6 +60,8 @@ class ParentRequest:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per
     # prompt token as the prefill reaches it.
     prompt_logprobs: PromptLogprobs | None = None
+    # The engine's step count when the request was queued (its timeline's steps_waited).
+    queued_at_step: int = 0
 
     @property
     def finished(self) -> bool:

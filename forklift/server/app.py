@@ -41,7 +41,12 @@ from forklift.server.response_store import ResponseStore
 from forklift.server.responses import create_response, delete_response, retrieve_response
 from forklift.server.responses_protocol import ResponsesRequest
 from forklift.server.serving import ServerContext
-from forklift.server.status import STATUS_JSON_PATH, SnapshotSource, add_status_routes
+from forklift.server.status import (
+    FIRST_TOKEN_JSON_PATH,
+    STATUS_JSON_PATH,
+    SnapshotSource,
+    add_status_routes,
+)
 from forklift.server.tokenizer_info import tokenizer_info
 from forklift.server.tool_parsers import make_parser
 from forklift.version import __version__
@@ -229,7 +234,11 @@ def install_api_key_check(app: FastAPI, api_key: str) -> None:
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         path = request.url.path
-        if path.startswith("/v1") or path in ADMIN_PATHS or path == STATUS_JSON_PATH:
+        if (
+            path.startswith("/v1")
+            or path in ADMIN_PATHS
+            or path in (STATUS_JSON_PATH, FIRST_TOKEN_JSON_PATH)
+        ):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid API key")

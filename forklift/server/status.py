@@ -24,6 +24,8 @@ from forklift.engine.snapshot import STATE_NAMES, take_snapshot
 from forklift.server.status_history import StatusHistory
 
 STATUS_JSON_PATH = "/status.json"
+# Every first-token timeline the server keeps, for benchmarks (`?since=` a Unix time).
+FIRST_TOKEN_JSON_PATH = "/status/first_token.json"
 
 logger = logging.getLogger("forklift")
 
@@ -78,6 +80,10 @@ class SnapshotSource:
         self._last, self._last_time = data, time.monotonic()
         return data
 
+    def first_token_timelines(self, since: float) -> list[dict[str, Any]]:
+        """The kept timelines of requests that arrived at or after `since` (Unix time)."""
+        return self._engine.timelines.since(since)
+
     def _previous(self, stale: bool = False, error: str | None = None) -> dict[str, Any]:
         data = dict(self._last or {"snapshot": None, "history": None})
         data["state"] = {**data.get("state", {}), **self._state(), "stale": stale, "error": error}
@@ -93,6 +99,7 @@ class SnapshotSource:
             "served_model_name": self._name,
             "snapshot": snapshot,
             "history": self._history.to_json(now),
+            "first_token": self._engine.timelines.to_json(),
             "state": {**self._state(), "sleep_level": engine.sleep_level},
             "state_names": list(STATE_NAMES),
             "snapshot_ms": (time.perf_counter() - started) * 1e3,
@@ -122,3 +129,8 @@ def add_status_routes(app: FastAPI, source: SnapshotSource) -> None:
         # Plain json.dumps: FastAPI's encoder walks every value first, at several times the
         # cost, on the event loop.
         return Response(json.dumps(await source.get()), media_type="application/json")
+
+    @app.get(FIRST_TOKEN_JSON_PATH)
+    async def first_token_timelines(since: float = 0.0) -> Response:
+        entries = source.first_token_timelines(since)
+        return Response(json.dumps({"timelines": entries}), media_type="application/json")
