@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from forklift.cpu import cpu_has_fast_bf16
-from forklift.spec_decode.config import SpeculativeConfig
+from forklift.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch

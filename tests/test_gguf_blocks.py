@@ -28,14 +28,10 @@ from forklift.model.gguf_loader import (
     iter_gguf_int8_blocks,
     iter_gguf_weights,
 )
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8, deinterleave_rows
 from forklift.model.layers.quantized import Int8Blocks, int4_kernel_available
 from forklift.model.model_source import load_model_config
-from forklift.native.quant_matmul import (
-    BlockInt4,
-    BlockInt8,
-    QuantMatmulKernel,
-    deinterleave_rows,
-)
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 Q = gguf.GGMLQuantizationType
 ALL_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]

@@ -1,5 +1,6 @@
-"""The package's layers: every import points down (or stays in its layer), and the layers
-below the model load neither torch nor any heavy optional dependency.
+"""The package's layers: every import points down (or stays in its layer), no two packages
+import each other (directly or round a ring), and the layers below the model load neither
+torch nor any heavy optional dependency.
 
 The table is the layer diagram of docs/architecture.md, lowest first."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,20 +24,23 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "forklift.version",
             "forklift.cpu",
             "forklift.config",
+            "forklift.speculative_config",
             "forklift.sampling_params",
             "forklift.outputs",
             "forklift.structured.params",
             "forklift.checkpoint",
-            "forklift.spec_decode.config",
             "forklift.lora_request",
         ),
     ),
     ("text", ("forklift.tokenizer", "forklift.structured")),
     ("core", ("forklift.core", "forklift.spec_decode")),
-    ("model", ("forklift.model", "forklift.native")),
+    # The kernels' ctypes wrappers know tensors, not the model's classes.
+    ("kernels", ("forklift.native",)),
+    ("model", ("forklift.model",)),
     ("sampling", ("forklift.sampling",)),
-    # Drafters that run a model (a draft model, the MTP layer) sit beside the runner.
-    ("runner", ("forklift.runner", "forklift.spec_decode.draft_model", "forklift.spec_decode.mtp")),
+    ("runner", ("forklift.runner",)),
+    # Drafters that run a model drive a model runner of their own.
+    ("model drafters", ("forklift.model_drafters",)),
     ("engine", ("forklift.engine",)),
     ("library", ("forklift.llm", "forklift.chat_session", "forklift.hf_reference")),
     ("rl", ("forklift.rl",)),
@@ -126,6 +131,77 @@ def test_the_walker_sees_an_upward_import(tmp_path):
     path.write_text("def f():\n    from forklift.engine.engine import LLMEngine\n")
     (edge,) = imports_of("forklift.core.leaky", path, {})
     assert layer_of(edge.imported) > layer_of(edge.importer)
+
+
+def package_of(module: str) -> str:
+    """A module's node in the package graph: the subpackage or top-level module of forklift
+    holding it (the root package is a node of its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(edges: Iterable[ImportEdge]) -> dict[str, dict[str, list[ImportEdge]]]:
+    """Importing package -> imported package -> the imports making that edge (imports
+    within a package make none)."""
+    graph: dict[str, dict[str, list[ImportEdge]]] = {}
+    for edge in edges:
+        source, target = package_of(edge.importer), package_of(edge.imported)
+        if source != target:
+            graph.setdefault(source, {}).setdefault(target, []).append(edge)
+    return graph
+
+
+def reachable(graph: Mapping[str, Iterable[str]], start: str) -> set[str]:
+    """The packages `start` imports, directly or through others (itself only round a ring)."""
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for target in graph.get(stack.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                stack.append(target)
+    return seen
+
+
+def import_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Each set of packages that reach one another through imports (a strongly connected
+    component of more than one package), sorted."""
+    reach = {node: reachable(graph, node) for node in graph}
+    rings = {
+        tuple(sorted(other for other in reach[node] if node in reach.get(other, ())))
+        for node in reach
+        if node in reach[node]
+    }
+    return sorted(list(ring) for ring in rings)
+
+
+def test_no_packages_import_each_other():
+    modules = all_modules()
+    graph = package_graph(e for m, path in modules.items() for e in imports_of(m, path, modules))
+    rings = [
+        [
+            f"{edges[0].importer}:{edges[0].line} imports {edges[0].imported}"
+            for source in ring
+            for target, edges in sorted(graph[source].items())
+            if target in ring
+        ]
+        for ring in import_cycles(graph)
+    ]
+    assert rings == []
+
+
+def test_the_cycle_check_sees_a_ring():
+    """The check above can fail: the ring the speculative config once closed (config ->
+    spec_decode -> runner -> config) is caught; the engine importing into it is no part of it."""
+    edges = [
+        ImportEdge("forklift.config", "forklift.spec_decode.config", 10),
+        ImportEdge("forklift.spec_decode.draft_model", "forklift.runner.model_runner", 31),
+        ImportEdge("forklift.runner.tp_workers", "forklift.config", 24),
+        ImportEdge("forklift.engine.engine", "forklift.config", 1),
+        ImportEdge("forklift.engine.engine", "forklift.engine.detokenizer", 2),
+    ]
+    assert import_cycles(package_graph(edges)) == [
+        ["forklift.config", "forklift.runner", "forklift.spec_decode"]
+    ]
 
 
 def torch_free_modules() -> list[str]:

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
+from forklift.model.native_binding import DENSE_STEP_MAX_ROWS
 from forklift.native import build as native_build
-from forklift.native.decode_step import DENSE_STEP_MAX_ROWS
 from forklift.native.dense_weights import DenseMatmulKernel, pack_dense, pack_dense_all
 
 KERNEL = DenseMatmulKernel.load() if native_build.find_compiler() is not None else None

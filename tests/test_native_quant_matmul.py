@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from forklift.cpu import cpu_flags, native_arch_flags
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8
 from forklift.model.layers.quantized import Int4Groups, int4_groups_from_dense
 from forklift.native import build as native_build
-from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 # The instruction sets to build for: the host's own (VNNI where it has it), AVX2, plain C.
 TARGETS = {

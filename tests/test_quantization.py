@@ -17,6 +17,7 @@ from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.cpu import CPU_KIND_ENV
 from forklift.model.gguf_loader import iter_gguf_int4_groups, iter_gguf_weights
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8
 from forklift.model.layers.linear import Linear, can_pack
 from forklift.model.layers.quantized import (
     QUANTIZED_MAX_ROWS,
@@ -27,7 +28,7 @@ from forklift.model.layers.quantized import (
 )
 from forklift.model.model_source import load_model_config
 from forklift.model.quantize import resolve_quantization
-from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.attention_metadata import build_attention_metadata
 
 DATA = Path(__file__).parent / "data"

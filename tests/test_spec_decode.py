@@ -7,12 +7,12 @@ import random
 import pytest
 
 from forklift.config import EngineConfig
-from forklift.spec_decode.config import SpeculativeConfig
-from forklift.spec_decode.draft_budget import AcceptanceRecord, drafts_worth_verifying
+from forklift.core.draft_budget import AcceptanceRecord, drafts_worth_verifying
 from forklift.spec_decode.ngram import NgramProposer
 from forklift.spec_decode.proposer import accepted_prefix
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.spec_decode.suffix import SuffixProposer, SuffixTrie
+from forklift.speculative_config import SpeculativeConfig
 
 
 def test_config_takes_vllm_keys_from_a_dict_or_json():

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from forklift.bench.report import cpu_flags
-from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)

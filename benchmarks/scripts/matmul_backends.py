@@ -35,8 +35,9 @@ from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
+from forklift.model.layers.block_weights import BlockInt4
 from forklift.model.layers.quantized import PackedInt4, PackedInt8, int4_groups_from_dense
-from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 ROWS, ROUNDS = (1, 8, 16, 32), 7
 

@@ -21,7 +21,8 @@ from dense_tiles import SHAPES as PROJECTIONS
 
 from forklift.bench.report import cpu_flags, write_report_files
 from forklift.cpu import native_arch_flags
-from forklift.native.quant_matmul import BlockInt4, QuantMatmulKernel
+from forklift.model.layers.block_weights import BlockInt4
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 DISTANCES = (0, 32, 64, 128)
 ROWS = (1, 8, 16)

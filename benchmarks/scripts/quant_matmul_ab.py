@@ -22,7 +22,8 @@ from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
-from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 ROWS = (1, 2, 4, 8, 16, 24, 32)
 ROUNDS, CALLS = 7, 5

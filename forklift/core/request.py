@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from forklift.core.draft_budget import AcceptanceRecord
 from forklift.core.scheduler_output import SamplingRow
 from forklift.sampling_params import SamplingParams
-from forklift.spec_decode.draft_budget import AcceptanceRecord
 
 if TYPE_CHECKING:
     from forklift.structured.grammar import GrammarMatcher

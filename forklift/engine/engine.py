@@ -16,6 +16,7 @@ import torch
 from forklift.checkpoint.gguf_file import release_pages
 from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
+from forklift.core.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.lora_slots import LoRASlotTable
@@ -33,6 +34,18 @@ from forklift.engine.output_processor import (
 from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
+from forklift.model_drafters.draft_model import (
+    DraftModelProposer,
+    load_draft_runner,
+    resolve_draft,
+)
+from forklift.model_drafters.mtp import (
+    MtpProposer,
+    check_mtp,
+    load_mtp,
+    mtp_block_bytes,
+    mtp_weight_bytes,
+)
 from forklift.outputs import PrefillChunk, RequestMetrics, RequestOutput
 from forklift.runner.decode_capture import capture_sizes
 from forklift.runner.lora_store import LoRALimits
@@ -40,19 +53,6 @@ from forklift.runner.model_runner import ModelRunner
 from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
-from forklift.spec_decode.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
-from forklift.spec_decode.draft_model import (
-    DraftModelProposer,
-    load_draft_runner,
-    resolve_draft,
-)
-from forklift.spec_decode.mtp import (
-    MtpProposer,
-    check_mtp,
-    load_mtp,
-    mtp_block_bytes,
-    mtp_weight_bytes,
-)
 from forklift.spec_decode.proposer import (
     BatchProposer,
     DraftQuery,
@@ -705,7 +705,7 @@ class LLMEngine:
         spare state slots allow. Under a grammar, only the drafts it allows. Lookups propose
         one sequence at a time; a draft model for all at once. The MTP layer is asked about
         every running sequence, drafting or not: it must see every position the target
-        computes (see spec_decode/mtp.py)."""
+        computes (see model_drafters/mtp.py)."""
         spec = self.speculation
         assert spec is not None and self.proposer is not None
         running = self.scheduler.running

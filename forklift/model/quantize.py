@@ -18,13 +18,14 @@ dense copy of a block-quantized weight is kept (`drop_dense_copies`); elsewhere 
 layer keeps its dense weight too, and prefill chunks run the dense GEMM.
 
 Two kernel families hold the quantized copies. With the native block kernels
-(`forklift/native/quant_matmul.py`, the "native" decode backend) weights keep GGUF's 32-value
-blocks with fp16 scales, and the LM head is always int8 blocks (0.9-1.1 ms at one row for
-the default model's tied head, against 1.8 for oneDNN-packed bf16 and 2.7 for ATen's int8
-rows). With PyTorch's kernels (the "torch" backend) int4 is ATen's packed layout and int8
-has a scale per row; the tied head then stays dense where its weight is oneDNN-packed bf16
-(faster than ATen's int8 rows: 1.8 vs 2.2 ms at one row, 3.8 vs 12.6 ms at 8), elsewhere it
-reads int8 rows. The embedding lookup always stays dense.
+(`forklift/native/quant_matmul.py`, the "native" decode backend) weights keep GGUF's
+32-value blocks with fp16 scales (`layers/block_weights.py`), and the LM head is always int8
+blocks (0.9-1.1 ms at one row for the default model's tied head, against 1.8 for
+oneDNN-packed bf16 and 2.7 for ATen's int8 rows). With PyTorch's kernels (the "torch"
+backend) int4 is ATen's packed layout and int8 has a scale per row; the tied head then stays
+dense where its weight is oneDNN-packed bf16 (faster than ATen's int8 rows: 1.8 vs 2.2 ms at
+one row, 3.8 vs 12.6 ms at 8), elsewhere it reads int8 rows. The embedding lookup always
+stays dense.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from forklift.model.gguf_blocks import INT4_TYPES, INT8_TYPES
+from forklift.model.layers.block_weights import BlockInt4, BlockInt8
 from forklift.model.layers.linear import Linear
 from forklift.model.layers.quantized import (
     GROUP_SIZE,
@@ -54,7 +56,7 @@ from forklift.model.layers.quantized import (
 from forklift.model.llama import LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
 from forklift.model.weight_slots import expected_hf_names, weight_slot
-from forklift.native.quant_matmul import BlockInt4, BlockInt8, QuantMatmulKernel
+from forklift.native.quant_matmul import QuantMatmulKernel
 
 logger = logging.getLogger("forklift")
 

@@ -21,6 +21,14 @@ from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAtte
 from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
+from forklift.model.native_binding import (
+    DENSE_STEP_MAX_ROWS,
+    SPLIT_STEP_MAX_ROWS,
+    StepBinding,
+    dense_tile_bytes,
+    native_step_peak_bytes,
+    unsupported_reason,
+)
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
@@ -37,15 +45,7 @@ from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
 from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
-from forklift.native.decode_step import (
-    DENSE_STEP_MAX_ROWS,
-    SPLIT_STEP_MAX_ROWS,
-    NativeDecodeStep,
-    StepBinding,
-    dense_tile_bytes,
-    native_step_peak_bytes,
-    unsupported_reason,
-)
+from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
 from forklift.runner.attention_metadata import (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from forklift.core.kv_cache_manager import KVCacheManager
-from forklift.spec_decode.config import SpeculativeConfig
+from forklift.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def release_unverified_slots(kv_manager: KVCacheManager, query: DraftQuery, draf
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The lookup proposers; a draft model is built with the engine's runner
-    (spec_decode/draft_model.py)."""
+    (model_drafters/draft_model.py)."""
     if config.method == "ngram":
         from forklift.spec_decode.ngram import NgramProposer
 

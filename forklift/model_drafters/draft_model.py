@@ -30,12 +30,12 @@ from forklift.model.model_source import iter_model_weights, load_model_config, q
 from forklift.model.quantize import resolve_quantization
 from forklift.runner.model_runner import ModelRunner
 from forklift.sampling_params import SamplingParams
-from forklift.spec_decode.config import SpeculativeConfig
 from forklift.spec_decode.proposer import (
     DraftQuery,
     release_unverified_slots,
     reserve_guess_slots,
 )
+from forklift.speculative_config import SpeculativeConfig
 
 # A catch-up longer than this runs as chunks (PyTorch's prefill layers); shorter ones feed
 # one row per token in one forward, so the rounds stay decode steps the native step takes.

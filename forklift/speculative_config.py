@@ -31,7 +31,7 @@ class SpeculativeConfig:
     # No drafts while this many sequences or more are running (None: always speculate).
     disable_by_batch_size: int | None = None
     # forklift's own key: size each sequence's drafts by its recent acceptance and the
-    # number running (spec_decode/draft_budget.py); False always proposes up to
+    # number running (core/draft_budget.py); False always proposes up to
     # num_speculative_tokens.
     adaptive_draft_length: bool = True
     # suffix: the tries' depth (match plus drafts), the finished requests whose outputs are
