@@ -1,5 +1,5 @@
 """Hugging Face transformers as the reference: the same weights in its model class, and
-`generate()` with static batches (the seed's baseline). transformers is imported lazily."""
+`generate()` with static batches (the baseline). transformers is imported lazily."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def test_bench_memory_writes_markdown_and_chart(quick_report):
     assert png.startswith(b"\x89PNG")
 
 
-# The seed's Qwen3.6-27B shape (the Qwen3.5 family): 64 layers, every fourth full attention.
+# A Qwen3.5-family 27B hybrid shape: 64 layers, every fourth full attention.
 SEED_HYBRID_CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],
     "model_type": "qwen3_5_text",

@@ -10,7 +10,6 @@ from forklift.bench.scale import (
     Link,
     allreduce_seconds,
     render_markdown,
-    seed_collapse,
     tp_step_comm,
 )
 
@@ -35,14 +34,6 @@ def test_step_traffic_of_the_default_model():
     assert row["step_comm_ms"] > 5 * fast["step_comm_ms"]
     assert row["step_comm_ms"] == pytest.approx(
         60 * allreduce_seconds(8 * 576 * 2, 2, network) * 1e3
-    )
-
-
-def test_seed_collapse_is_explained_per_allreduce():
-    collapse = seed_collapse()
-    assert collapse["nvlink_step_ms"] == pytest.approx(8 / 982.6 * 1e3)
-    assert collapse["implied_ms_per_allreduce"] == pytest.approx(
-        collapse["extra_ms_per_step"] / 128
     )
 
 
@@ -71,7 +62,6 @@ def test_report_table():
         "tp_comm": [tp_step_comm(MODELS[0], LINKS[0], 8)],
         "models": [{"name": m.name, "note": m.note} for m in MODELS],
         "links": [{"name": k.name, "note": k.note} for k in LINKS],
-        "seed_collapse": seed_collapse(),
     }
     text = render_markdown(report)
     assert "| DP=2 | 2 x 1 | 8.0 | 50.0 | 100 | 1.25x |" in text

@@ -2,7 +2,7 @@
 
 The forklift run trains for `steps` steps (the reward curve); the HF run repeats the first
 `hf_steps` steps from the same initial weights and seeds. Reported side by side: average
-generation time per step and total step time, and their ratios (the seed's table).
+generation time per step and total step time, and their ratios.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ class Link:
 MODELS = (
     ModelShape("SmolLM2-135M (default model)", 576, 30, "from its GGUF metadata"),
     ModelShape(
-        "seed's 27B example", 5120, 64,
-        "assumed: a Qwen3-27B-class dense shape (hidden 5120, 64 layers); the seed gives only "
-        "its 16 full-attention layers, 4 KV heads, head dim 256",
+        "27B-class example", 5120, 64,
+        "assumed: a Qwen3-27B-class dense shape (hidden 5120, 64 layers)",
     ),
 )  # fmt: skip
 LINKS = (
@@ -79,20 +78,6 @@ def tp_step_comm(model: ModelShape, link: Link, batch: int, ranks: int = 2) -> d
         "bytes_sent_per_rank_per_token": sent_per_rank / batch,
         "allreduce_us": 1e6 * per_allreduce,
         "step_comm_ms": 1e3 * allreduces * per_allreduce,
-    }
-
-
-def seed_collapse(model: ModelShape = MODELS[1], concurrency: int = 8) -> dict[str, float]:
-    """What the seed's 982.6 -> 75.8 tok/s (TP2 on NVLink -> across machines) implies per
-    all-reduce, taking each decode step as `concurrency` tokens."""
-    fast_step = concurrency / 982.6
-    slow_step = concurrency / 75.8
-    allreduces = 2 * model.num_layers
-    return {
-        "nvlink_step_ms": 1e3 * fast_step,
-        "cross_node_step_ms": 1e3 * slow_step,
-        "extra_ms_per_step": 1e3 * (slow_step - fast_step),
-        "implied_ms_per_allreduce": 1e3 * (slow_step - fast_step) / allreduces,
     }
 
 
@@ -144,7 +129,6 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
         ],  # fmt: skip
         "models": [asdict(m) for m in MODELS],
         "links": [asdict(link) for link in LINKS],
-        "seed_collapse": seed_collapse(),
     }
 
 
@@ -210,7 +194,6 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {row['bytes_sent_per_rank_per_token'] / 1024:.0f} KiB "
             f"| {row['allreduce_us']:.1f} us | {row['step_comm_ms']:.2f} ms |"
         )
-    collapse = report["seed_collapse"]
     nvlink_big = next(
         (r for r in report["tp_comm"]
          if r["model"] == MODELS[1].name and r["link"] == LINKS[0].name and r["batch"] == 8),
@@ -222,16 +205,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Assumptions: " + "; ".join(f"{m['name']}: {m['note']}" for m in report["models"])
         + "; " + "; ".join(f"{link['name']}: {link['note']}" for link in report["links"]) + ".",
         "",
-        "**The seed's collapse.** TP2 at concurrency 8 gave 982.6 tok/s over NVLink, a "
-        f"{collapse['nvlink_step_ms']:.1f} ms decode step, and 75.8 tok/s across machines, "
-        f"{collapse['cross_node_step_ms']:.1f} ms. The extra "
-        f"{collapse['extra_ms_per_step']:.0f} ms per step spread over the step's all-reduces "
-        f"is {collapse['implied_ms_per_allreduce']:.2f} ms each: the network's per-message "
-        "latency (TCP through a cloud network, plus the collective's software), paid "
-        "2(N-1) times per all-reduce and twice per layer, not its bandwidth (the messages "
-        "are tens of KiB). Over NVLink the same all-reduces cost "
-        f"{nvlink_cost}. Data-parallel replicas exchange nothing per token, so they scale across "
-        "machines; tensor parallelism belongs inside one.",
+        "Across machines each all-reduce pays the network's per-message latency 2(N-1) "
+        "times, twice per layer, whatever its bandwidth (the messages are tens of KiB). Over "
+        f"NVLink the same all-reduces cost {nvlink_cost}. Data-parallel replicas exchange "
+        "nothing per token, so they scale across machines; tensor parallelism belongs inside "
+        "one.",
         "",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 Each concurrency level sends its requests through a semaphore of that size, so exactly
 `concurrency` requests are in flight until the queue drains. Prompts are synthetic text of
 an exact token count, unique per request, and every request asks for a fixed number of
-output tokens with `ignore_eos`, like the seed's serving table.
+output tokens with `ignore_eos`.
 
 With a peer (`peer_url`, any OpenAI-compatible server, or `llama_server`, llama.cpp's server
 started on the same GGUF file with fair settings) the same sweep, the same prompts in the same

@@ -83,8 +83,8 @@ def _sequence_ids(request_id: str, n: int) -> list[str]:
 
 # Step records kept for inspection (tests, debugging); older ones are dropped.
 _STEP_LOG_SIZE = 4096
-# Spare state slots a hybrid model plans for verifying drafts (each state is large: the
-# seed's 27B model holds 147 MiB a sequence), whatever num_speculative_tokens asks.
+# Spare state slots a hybrid model plans for verifying drafts (each state is far larger than
+# a KV block), whatever num_speculative_tokens asks.
 MAX_SPARE_STATE_SLOTS = 8
 
 

@@ -46,7 +46,7 @@ class GRPOConfig:
     rollout: str = "forklift"  # or "hf": the same loop with HF generate() rollouts
     micro_batch: int = 16
     seed: int = 0
-    # The engine's share of memory; the rest is the trainer's (the seed used 0.35).
+    # The engine's share of memory; the rest is the trainer's.
     gpu_memory_utilization: float = 0.35
     max_model_len: int = 512
     # > 0: train a LoRA adapter of this rank (alpha = 2 x rank) instead of every weight.

@@ -1,4 +1,4 @@
-"""Rollout sources for GRPO: forklift's engine, or HF `generate()` as the seed's baseline.
+"""Rollout sources for GRPO: forklift's engine, or HF `generate()` as the baseline.
 
 Both return, per sample, the completion token ids and the logprob of each sampled token
 under the distribution it was drawn from (log_softmax(logits / temperature)), which is what

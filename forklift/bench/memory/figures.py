@@ -1,4 +1,5 @@
-"""Part A: the seed article's Figures 1 and 2, counted by forklift's own `KVCacheManager`."""
+"""Part A: a three-request example, contiguous reservation against paged blocks, counted by
+forklift's own `KVCacheManager`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SEED_EXPECTED = ((36, 10, 26, 72), (16, 10, 6), 20)
 
 @dataclass(frozen=True)
 class FigureResult:
-    """Figure 1 (contiguous reservation) against Figure 2 (paged)."""
+    """The example under contiguous reservation and under paged blocks."""
 
     request_tokens: tuple[int, ...]
     max_len: int
@@ -68,7 +69,7 @@ def check_seed_figures(result: FigureResult) -> None:
         result.freed_slots,
     )
     if got != SEED_EXPECTED:
-        raise RuntimeError(f"seed figures came out as {got}, expected {SEED_EXPECTED}")
+        raise RuntimeError(f"the example came out as {got}, expected {SEED_EXPECTED}")
 
 
 def figures_markdown(f: FigureResult) -> list[str]:
@@ -78,7 +79,7 @@ def figures_markdown(f: FigureResult) -> list[str]:
         slot_row(f"paged (blocks of {f.block_size})", f.paged),
     ]
     return [
-        "## A. The seed figures",
+        "## A. A three-request example",
         "",
         f"Requests holding {', '.join(map(str, f.request_tokens))} tokens, max length "
         f"{f.max_len}, blocks of {f.block_size}; slots counted from forklift's `KVCacheManager`.",

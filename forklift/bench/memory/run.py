@@ -59,9 +59,9 @@ def summary(report: MemoryReport) -> str:
     f, s, m = report.figures, report.at_scale, report.measured
     return "\n".join(
         [
-            f"seed figures: contiguous {f.contiguous.reserved} reserved / {f.contiguous.used} "
-            f"used ({f.contiguous.waste_percent}% wasted); paged {f.paged.reserved} / "
-            f"{f.paged.used}; {f.freed_slots} slots freed",
+            f"three-request example: contiguous {f.contiguous.reserved} reserved / "
+            f"{f.contiguous.used} used ({f.contiguous.waste_percent}% wasted); "
+            f"paged {f.paged.reserved} / {f.paged.used}; {f.freed_slots} slots freed",
             f"at scale: {s.contiguous.requests_in_flight} requests in flight contiguous vs "
             f"{s.paged.requests_in_flight} paged ({s.gain:.1f}x)",
             f"measured: waste per request mean {m.mean_waste_tokens:.2f}, max "
@@ -88,7 +88,7 @@ def render_markdown(report: MemoryReport) -> str:
 def plot(report: MemoryReport) -> Figure:
     f, s, m = report.figures, report.at_scale, report.measured
     panels = [
-        ("A. Seed Figure 1 vs Figure 2: slots", f.contiguous, f.paged, None),
+        ("A. Three-request example: slots", f.contiguous, f.paged, None),
         (
             f"B. At scale ({s.budget_tokens:,}-token budget): tokens",
             s.contiguous.slots,
