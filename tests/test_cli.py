@@ -103,14 +103,26 @@ def test_enforce_eager_flag_reaches_the_engine_config():
 def test_prefix_caching_and_prefill_bound_flags_reach_the_engine_config():
     import argparse
 
-    from forklift.cli import add_engine_args, engine_config_from_args
+    from forklift.cli import (
+        SERVE_DECODE_STEP_PREFILL_TOKENS,
+        add_engine_args,
+        engine_config_from_args,
+        serve_engine_config_from_args,
+    )
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     default = engine_config_from_args(parser.parse_args([]))
     assert default.enable_prefix_caching is True
-    # No bound by default, `forklift serve` included (vLLM's chunked prefill).
+    # No bound by default offline (vLLM's chunked prefill); serve bounds a decoding step's
+    # prefill where every step is one forward, unless told otherwise.
     assert default.resolve_decode_step_prefill_tokens() is None
+    serve = serve_engine_config_from_args(parser.parse_args([]))
+    assert serve.resolve_decode_step_prefill_tokens() == SERVE_DECODE_STEP_PREFILL_TOKENS
+    split = serve_engine_config_from_args(parser.parse_args(["--no-batch-invariant"]))
+    assert split.resolve_decode_step_prefill_tokens() is None
+    unbounded = parser.parse_args(["--decode-step-prefill-tokens", "0"])
+    assert serve_engine_config_from_args(unbounded).resolve_decode_step_prefill_tokens() is None
     off = parser.parse_args(["--no-enable-prefix-caching", "--decode-step-prefill-tokens", "0"])
     assert engine_config_from_args(off).enable_prefix_caching is False
     assert engine_config_from_args(off).resolve_decode_step_prefill_tokens() is None
