@@ -247,8 +247,8 @@ def calls_only(monkeypatch):
     never calls a tool by itself) must write a call; the rest is the server's own."""
     from forklift.server import tools as tools_module
 
-    def without_text(calls, definitions, parser, parallel, allow_text):
-        assert allow_text
+    def without_text(calls, definitions, parser, parallel, allow_text, text_schema=None):
+        assert allow_text and text_schema is None
         return tool_grammar.tool_call_grammar(calls, definitions, parser, parallel, False)
 
     monkeypatch.setattr(tools_module, "tool_call_grammar", without_text)
@@ -289,6 +289,26 @@ def test_strict_tools_with_auto_may_answer_in_text(client):
     choice = reply.choices[0]
     assert choice.message.tool_calls is None and choice.message.content
     assert "<tool_call>" not in choice.message.content
+
+
+def test_strict_tools_with_a_response_format_answer_in_it_or_call(client):
+    """The Agents SDK's agent with tools and an output_type: strict tools, auto, and a
+    json_schema response_format in one request."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=160,
+        tools=STRICT_TOOLS,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+        n=3,
+        seed=11,
+    )
+    for choice in reply.choices:  # every choice whole: a JSON answer or schema-held calls
+        if choice.message.tool_calls:
+            for name, arguments in calls_of(choice):
+                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        else:
+            jsonschema.validate(json.loads(choice.message.content), WEATHER)
 
 
 def test_tool_results_round_trip_through_the_template(client, server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from forklift.server.errors import APIError
 from forklift.server.tools import closed_schema, tool_request
 from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer
@@ -121,3 +122,45 @@ def test_closed_schema_keeps_what_the_schema_says():
     assert "additionalProperties" not in closed["properties"]["free"]
     assert closed["properties"]["fixed"] == {"const": {"properties": {"a": 1}}}
     assert "additionalProperties" not in schema  # the request's own schema is untouched
+
+
+def test_closed_schema_leaves_composed_and_referring_objects_alone():
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_schema(both) == both  # closing a branch would forbid the other's key
+    union = {"properties": {"kind": {}}, "oneOf": [{"properties": {"x": {}}}]}
+    assert closed_schema(union) == union
+    beyond = {"properties": {"a": {}}, "required": ["a", "b"]}
+    assert closed_schema(beyond) == beyond  # b must be allowed although not listed
+    named = {"type": "object", "properties": {"properties": {"type": "object"}}}
+    closed = closed_schema(named)
+    assert closed["additionalProperties"] is False
+    # A property named "properties" is a name, not a keyword: its own schema is unlisted.
+    assert closed["properties"]["properties"] == {"type": "object"}
+    refers = {"$defs": {"P": {"properties": {"x": {}}}}, "$ref": "#/$defs/P"}
+    assert closed_schema(refers)["$defs"]["P"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed_schema(refers)
+
+
+def test_auto_with_strict_tools_answers_in_the_response_format(compiler):
+    from forklift.structured.params import StructuredOutputsParams
+
+    grammar_compiler, tokenizer = compiler
+    answer = StructuredOutputsParams(json=CITY, param="response_format")
+    constraint = tool_request(TOOLS, "auto").constraint("hermes", answer)
+    for text, allowed in [
+        ('{"city":"Rome"}', True),
+        ("Rome is nice.", False),
+        ('{"town":"Rome"}', False),
+        (WEATHER_CALL, True),
+    ]:
+        matcher = grammar_compiler.compile(constraint).deep_copy()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.consume_tokens(ids) and matcher.is_accepting()) is allowed, text
+    with pytest.raises(APIError, match="forces a call"):
+        tool_request(TOOLS, "required").constraint("hermes", answer)
+    regex = StructuredOutputsParams(regex="a+", param="structured_outputs")
+    with pytest.raises(APIError, match="JSON schema"):
+        tool_request(TOOLS, "auto").constraint("hermes", regex)
+    # Plain auto leaves the answer's constraint to the request, as before.
+    loose = [{"type": "function", "function": {"name": "noon", "parameters": {"type": "object"}}}]
+    assert tool_request(loose, "auto").constraint("hermes", answer) is None

@@ -332,10 +332,13 @@ class AsyncEngine:
         arrival here ends the request's first-token timeline."""
         now = time.time()
         for stream, output in items:
-            metrics = output.metrics
-            if metrics is not None and metrics.first_sent_time is None:
-                if any(c.token_ids for c in output.outputs):
-                    metrics.first_sent_time = now
-            if output.finished:
-                self.timelines.record(output)
+            try:
+                metrics = output.metrics
+                if metrics is not None and metrics.first_sent_time is None:
+                    if any(c.token_ids for c in output.outputs):
+                        metrics.first_sent_time = now
+                if output.finished:
+                    self.timelines.record(output)
+            except Exception:  # bookkeeping must never keep an output from its stream
+                logger.exception("first-token timeline of %s", output.request_id)
             stream.queue.put_nowait(output)

@@ -98,8 +98,7 @@ async def create_chat_completion(
     if max_tokens is None:
         max_tokens = body.max_tokens
     tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    constraint = tools.constraint(ctx.tool_call_parser) if tools else None
-    params = make_params(ctx, body, max_tokens, logprobs, constraint)
+    params = make_params(ctx, body, max_tokens, logprobs, tools)
     # Rendering the template and tokenizing run in a worker thread, off the event loop.
     prompt = await asyncio.to_thread(
         chat_prompt_ids,

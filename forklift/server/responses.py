@@ -52,7 +52,7 @@ async def create_response(
     if body.previous_response_id is not None:
         earlier = _stored(store, body.previous_response_id, "previous_response_id").items
     items = [*earlier, *input_items(body.input)]
-    tools, constraint = tool_setup(body, ctx.tool_call_parser)
+    tools = tool_setup(body)
     messages = chat_messages(items, body.instructions)
     chat = ChatCompletionRequest(
         messages=[ChatMessage.model_validate(m) for m in messages],
@@ -62,7 +62,7 @@ async def create_response(
         response_format=chat_response_format(body.text),
     )
     with _as_responses_fields():
-        params = make_params(ctx, chat, body.max_output_tokens, None, constraint)
+        params = make_params(ctx, chat, body.max_output_tokens, None, tools)
         # Rendering the template and tokenizing run in a worker thread, off the event loop.
         prompt = await asyncio.to_thread(chat_prompt_ids, ctx, chat.messages, True, None, tools)
         run = await launch(ctx, "resp", [prompt], params, lora=lora)

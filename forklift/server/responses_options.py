@@ -13,7 +13,6 @@ from typing import Any
 from forklift.server.errors import APIError
 from forklift.server.responses_protocol import ResponsesRequest
 from forklift.server.tools import ToolRequest, tool_request
-from forklift.structured.params import StructuredOutputsParams
 
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 _CHOICE_MODES = ("auto", "none", "required")
@@ -21,19 +20,13 @@ _CHOICE_MODES = ("auto", "none", "required")
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def tool_setup(
-    body: ResponsesRequest, parser: str
-) -> tuple[ToolRequest | None, StructuredOutputsParams | None]:
-    """(tools, the decoding constraint they need); 400 naming the field. `parser` names the
-    format the model writes calls in."""
+def tool_setup(body: ResponsesRequest) -> ToolRequest | None:
+    """The request's tools as chat's; 400 naming the field."""
     tools = _chat_tools(body.tools)
     choice = _chat_tool_choice(body.tool_choice)
     if tools is None and choice in ("auto", "none"):
         choice = None  # nothing to call: OpenAI's defaults ask for nothing
-    request = tool_request(tools, choice, body.parallel_calls)
-    if request is None or not request.parses_calls:
-        return request, None
-    return request, request.constraint(parser)
+    return tool_request(tools, choice, body.parallel_calls)
 
 
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from forklift.server.limits import ServerLimits, at_most, check_extra_fields
 from forklift.server.protocol import ChatCompletionRequest, SamplingFields
 from forklift.server.streams import merge_streams
 from forklift.server.structured import GUIDED_FIELDS, structured_params
-from forklift.structured.params import StructuredOutputsParams
+from forklift.server.tools import ToolRequest
 from forklift.tokenizer import Tokenizer
 
 
@@ -120,10 +120,11 @@ def make_params(
     body: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
-    constraint: StructuredOutputsParams | None = None,
+    tools: ToolRequest | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams; `constraint` (from tools) or the body's own output
-    constraint fields. The grammar compiles later, in `launch`'s validation."""
+    """The request's SamplingParams, its output held to what `tools` and the body's own
+    output constraint fields ask together (ToolRequest.constraint). The grammar compiles
+    later, in `launch`'s validation."""
     extra = body.model_extra or {}
     check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
     ctx.fields.check(extra, body.n, chat=isinstance(body, ChatCompletionRequest))
@@ -137,9 +138,9 @@ def make_params(
         limit = ctx.limits.max_logit_bias
         at_most("logit_bias", len(body.logit_bias), limit, "max_logit_bias")
     asked = structured_params(body.response_format, body.structured_outputs, extra)
-    if constraint is not None and asked is not None:
-        message = f"{asked.param} cannot be combined with a tool_choice that forces a call"
-        raise APIError(400, message, asked.param)
+    constraint = None
+    if tools is not None and tools.parses_calls:
+        constraint = tools.constraint(ctx.tool_call_parser, asked)
     try:
         return body.sampling_params(max_tokens, logprobs, constraint or asked)
     except ValueError as exc:

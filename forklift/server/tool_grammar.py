@@ -26,18 +26,31 @@ def tool_call_grammar(
     parser: str,
     parallel: bool,
     allow_text: bool,
+    text_schema: dict[str, Any] | None = None,
 ) -> str:
     """A Lark grammar (llguidance's dialect) for calls as `parser` writes them, or with
-    `allow_text` (`auto`) text instead."""
+    `allow_text` (`auto`) text instead: any text, or with `text_schema` (the request's
+    response_format) a JSON value of that schema."""
     schema: dict[str, Any] = {"anyOf": call_schemas, "x-guidance": _COMPACT_JSON}
     if definitions:
         schema["$defs"] = definitions
     call_json = f"%json {json.dumps(schema, ensure_ascii=False)}"
     if parser == "hermes":
-        return _hermes(call_json, parallel, allow_text)
-    if parser == "llama3_json":
-        return _llama3_json(call_json, parallel, allow_text)
-    raise ValueError(f"no tool grammar for the parser {parser!r}")
+        grammar = _hermes(call_json, parallel, allow_text)
+    elif parser == "llama3_json":
+        grammar = _llama3_json(call_json, parallel, allow_text)
+    else:
+        raise ValueError(f"no tool grammar for the parser {parser!r}")
+    if text_schema is None or not allow_text:
+        return grammar
+    # The answer is the response_format's JSON instead of free text, and calls start the
+    # reply (free text before a call would make every JSON answer look like its start).
+    calls_only = tool_call_grammar(call_schemas, definitions, parser, parallel, False)
+    start, rest = calls_only.split("\n", 1)
+    answer = json.dumps({**text_schema, "x-guidance": _COMPACT_JSON}, ensure_ascii=False)
+    return "\n".join(
+        [start.replace("start: ", "start: answer | ", 1), rest, f"answer: %json {answer}"]
+    )
 
 
 def _hermes(call_json: str, parallel: bool, allow_text: bool) -> str:

@@ -57,20 +57,41 @@ class ToolRequest:
     def has_strict(self) -> bool:
         return any(f.get("strict") is True for f in self.functions.values())
 
-    def constraint(self, parser: str) -> StructuredOutputsParams | None:
-        """What decoding is held to; `parser` names the format calls are written in."""
+    def constraint(
+        self, parser: str, answer: StructuredOutputsParams | None = None
+    ) -> StructuredOutputsParams | None:
+        """What decoding is held to; `parser` names the format calls are written in and
+        `answer` is the request's own output constraint (response_format, ...), if any.
+
+        Forced calls (named, required) cannot also answer in a format: 400. `auto` that needs
+        a grammar (strict tools, a single call) takes a JSON `answer` as its text branch;
+        plain `auto` leaves decoding to `answer` alone (None here), as before."""
+        forced = self.choice.mode in ("named", "required")
+        if forced and answer is not None:
+            message = f"{answer.param} cannot be combined with a tool_choice that forces a call"
+            raise APIError(400, message, answer.param)
         if self.choice.mode == "named":
             parameters = closed_schema(self.functions[self.choice.name or ""]["parameters"])
             return StructuredOutputsParams(json=parameters, param="tool_choice")
-        if self.choice.mode == "required" or (
-            self.choice.mode == "auto" and self.tools and (self.has_strict or not self.parallel)
-        ):
-            calls, definitions = self._call_schemas(_ARGUMENTS_KEY[parser])
-            allow_text = self.choice.mode == "auto"
-            grammar = tool_call_grammar(calls, definitions, parser, self.parallel, allow_text)
-            param = "parallel_tool_calls" if allow_text and not self.has_strict else "tools"
-            return StructuredOutputsParams(grammar=grammar, param=param)
-        return None
+        needs_grammar = self.choice.mode == "auto" and (self.has_strict or not self.parallel)
+        if not (forced or needs_grammar):
+            return None
+        text_schema = None
+        if answer is not None:
+            if answer.kind not in ("json", "json_object"):
+                raise APIError(
+                    400,
+                    f"{answer.param}: with strict tools or parallel_tool_calls false, the "
+                    "answer's format must be a JSON schema or json_object",
+                    answer.param,
+                )
+            text_schema = answer.schema()
+        calls, definitions = self._call_schemas(_ARGUMENTS_KEY[parser])
+        grammar = tool_call_grammar(
+            calls, definitions, parser, self.parallel, needs_grammar, text_schema
+        )
+        param = "parallel_tool_calls" if needs_grammar and not self.has_strict else "tools"
+        return StructuredOutputsParams(grammar=grammar, param=param)
 
     def _call_schemas(self, arguments_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """One schema per tool for a call `{"name": ..., arguments_key: {...}}`, and the
@@ -102,26 +123,61 @@ class ToolRequest:
         return calls, definitions
 
 
-def closed_schema(schema: Any) -> Any:
+def closed_schema(schema: Any, closable: bool = True) -> Any:
     """`schema` with every object that lists its `properties` closed to others, unless it
     says otherwise: a call's arguments are the parameters the function declares (OpenAI's
     strict mode asks the same), where JSON Schema alone would let a small model invent keys
-    until its tokens run out. An object without `properties` stays open."""
-    if isinstance(schema, list):
-        return [closed_schema(item) for item in schema]
+    until its tokens run out.
+
+    Only the schema of a value is closed (the root, a property's, an item's, a definition's),
+    never a member of allOf / anyOf / oneOf / not / if-then-else, whose keys may come from a
+    sibling; nor an object that composes, refers, or requires a key it does not list."""
     if not isinstance(schema, dict):
         return schema
-    closed = {
-        key: value if key in _VALUE_KEYWORDS else closed_schema(value)
-        for key, value in schema.items()
-    }
-    if "properties" in closed and not {"additionalProperties", "patternProperties"} & set(closed):
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_schema(sub) for name, sub in value.items()}
+        elif key in _VALUE_SCHEMAS:
+            closed[key] = closed_schema(value)
+        elif key == "prefixItems" and isinstance(value, list):
+            closed[key] = [closed_schema(sub) for sub in value]
+        elif key in _COMPOSING and isinstance(value, list):
+            closed[key] = [closed_schema(sub, closable=False) for sub in value]
+        elif key in _COMPOSING and isinstance(value, dict):
+            closed[key] = closed_schema(value, closable=False)
+        else:
+            closed[key] = value  # data (const, enum, default, ...) or a plain keyword
+    properties = closed.get("properties")
+    listed = set(properties) if isinstance(properties, dict) else None
+    required = closed.get("required", [])
+    if (
+        closable
+        and listed is not None
+        and not _OPENING & set(closed)
+        and isinstance(required, list)
+        and set(required) <= listed
+    ):
         closed["additionalProperties"] = False
     return closed
 
 
-# Keywords whose values are data, not schemas.
-_VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Maps of names to schemas; single schemas of a value; keywords that compose schemas; and
+# keywords beside which an object must stay as it says.
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
+_VALUE_SCHEMAS = frozenset({"items", "additionalItems", "contains", "additionalProperties"})
+_COMPOSING = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else"})
+_OPENING = frozenset(
+    {
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+        "dependentSchemas",
+        "$ref",
+        *_COMPOSING,
+    }
+)
+
 
 # The key each parser's call format puts the arguments under.
 _ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}

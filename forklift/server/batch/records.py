@@ -52,6 +52,8 @@ def parse_line(number: int, text: str, endpoint: str | None = None) -> BatchLine
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         return _bad(number, None, f"not valid JSON ({exc})", None)
+    except RecursionError:  # "[[[[..." deeper than the parser goes
+        return _bad(number, None, "not valid JSON (nested too deeply)", None)
     if not isinstance(data, dict):
         return _bad(number, None, "a line must be a JSON object", None)
     custom_id = data.get("custom_id")
