@@ -73,7 +73,8 @@ class ToolRequest:
         if self.choice.mode == "named":
             parameters = closed_schema(self.functions[self.choice.name or ""]["parameters"])
             return StructuredOutputsParams(json=parameters, param="tool_choice")
-        needs_grammar = self.choice.mode == "auto" and (self.has_strict or not self.parallel)
+        strict = self.has_strict
+        needs_grammar = self.choice.mode == "auto" and (strict or not self.parallel)
         if not (forced or needs_grammar):
             return None
         text_schema = None
@@ -90,7 +91,7 @@ class ToolRequest:
         grammar = tool_call_grammar(
             calls, definitions, parser, self.parallel, needs_grammar, text_schema
         )
-        param = "parallel_tool_calls" if needs_grammar and not self.has_strict else "tools"
+        param = "parallel_tool_calls" if needs_grammar and not strict else "tools"
         return StructuredOutputsParams(grammar=grammar, param=param)
 
     def _call_schemas(self, arguments_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
