@@ -55,12 +55,13 @@ class RequestMetrics:
         assert queued is not None and scheduled is not None and first_token is not None
         # A preempted request computes its prompt again after its first token: not counted.
         before = [c for c in self.prefill_chunks if c.start_time <= first_token]
-        prefill_end = before[-1].start_time if before else scheduled
+        # The first chunk starts at the first schedule, so the last one starts no earlier.
+        last_start = before[-1].start_time if before else scheduled
         return {
             "to_engine_s": queued - self.arrival_time,
             "waiting_s": scheduled - queued,
-            "prefill_s": max(prefill_end - scheduled, 0.0),
-            "last_step_s": first_token - max(prefill_end, scheduled),
+            "prefill_s": last_start - scheduled,
+            "last_step_s": first_token - last_start,
             "delivery_s": self.first_sent_time - first_token,
             "ttft_s": self.first_sent_time - self.arrival_time,
         }

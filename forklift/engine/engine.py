@@ -649,23 +649,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         self._record_step(sched, now, time.perf_counter() - started, emitted)
-        self._record_prefill_chunks(sched, now)
         return [self._emit(parent) for parent in touched.values()]
-
-    def _record_prefill_chunks(self, sched: SchedulerOutput, start: float) -> None:
-        """Each request that computed prompt tokens this step notes the step on its
-        timeline (once per request: the samples of n > 1 share their prompt)."""
-        end = time.time()
-        counted: dict[str, int] = {}
-        for item in sched.scheduled:
-            if item.num_prompt_tokens:
-                parent_id = self._sequences[item.request_id][0].request_id
-                counted[parent_id] = max(counted.get(parent_id, 0), item.num_prompt_tokens)
-        for parent_id, tokens in counted.items():
-            parent = self._parents.get(parent_id)
-            if parent is not None:  # not finished and forgotten in this very step
-                chunk = PrefillChunk(start, end, tokens, sched.num_batched_tokens)
-                parent.metrics.prefill_chunks.append(chunk)
 
     def _fork_mtp(self, scheduled: list[ScheduledChunk]) -> None:
         """A sample starting past its prompt's shared blocks takes over the MTP layer's
@@ -772,22 +756,33 @@ class LLMEngine:
     def _record_step(
         self, sched: SchedulerOutput, start: float, duration: float, sampled: int
     ) -> None:
+        """The step in the step log, and on the timeline of each request that computed
+        prompt tokens in it (once per request: the samples of n > 1 share their prompt)."""
         self._num_steps += 1
         # Every scheduled sequence is still registered: finished ones leave in _emit, later.
-        parents = (self._sequences[s.request_id][0] for s in sched.scheduled)
-        ids = tuple(dict.fromkeys(p.request_id for p in parents))
+        parents: dict[str, ParentRequest] = {}
+        prompt_tokens: dict[str, int] = {}
+        for chunk in sched.scheduled:
+            parent = self._sequences[chunk.request_id][0]
+            parents[parent.request_id] = parent
+            if chunk.num_prompt_tokens:
+                before = prompt_tokens.get(parent.request_id, 0)
+                prompt_tokens[parent.request_id] = max(before, chunk.num_prompt_tokens)
         self.step_log.append(
             StepRecord(
                 self._num_steps,
                 start,
                 duration,
-                ids,
+                tuple(parents),
                 sched.num_batched_tokens,
                 sampled,
                 len(sched.preempted),
                 sum(s.num_prompt_tokens for s in sched.scheduled),
             )
         )
+        for request_id, tokens in prompt_tokens.items():
+            step = PrefillChunk(start, start + duration, tokens, sched.num_batched_tokens)
+            parents[request_id].metrics.prefill_chunks.append(step)
 
     def _process_sample(self, sequence: OutputSequence, out: SamplerOutput, row: int) -> bool:
         """Record one appended token; True when a stop string or a complete grammar ended

@@ -20,10 +20,10 @@ class FinishedTimeline:
     prompt_tokens: int
     cached_tokens: int
     metrics: RequestMetrics
+    phases: dict[str, float]  # RequestMetrics.first_token_phases, final once it finished
 
     def to_json(self) -> dict[str, Any]:
         m = self.metrics
-        phases = m.first_token_phases() or {}
         return {
             "request_id": self.request_id,
             "prompt_tokens": self.prompt_tokens,
@@ -38,7 +38,7 @@ class FinishedTimeline:
                 }
                 for c in m.prefill_chunks
             ],
-            **{name.removesuffix("_s") + "_ms": value * 1e3 for name, value in phases.items()},
+            **{name.removesuffix("_s") + "_ms": value * 1e3 for name, value in self.phases.items()},
         }
 
 
@@ -50,14 +50,17 @@ class FirstTokenTimelines:
         self._finished: deque[FinishedTimeline] = deque(maxlen=capacity)
 
     def record(self, output: RequestOutput) -> None:
-        if output.metrics is None or output.metrics.first_token_phases() is None:
+        metrics = output.metrics
+        phases = metrics.first_token_phases() if metrics is not None else None
+        if metrics is None or phases is None:
             return  # aborted before its first token: no timeline to show
         self._finished.append(
             FinishedTimeline(
                 output.request_id,
                 len(output.prompt_token_ids),
                 output.num_cached_tokens or 0,
-                output.metrics,
+                metrics,
+                phases,
             )
         )
 
@@ -72,11 +75,11 @@ class FirstTokenTimelines:
     def to_json(self, recent: int = 16) -> dict[str, Any]:
         """The medians of each phase over the log (ms), and the last `recent` timelines."""
         timelines = list(self._finished)
-        phases = [t.metrics.first_token_phases() or {} for t in timelines]
         median = {
-            name.removesuffix("_s") + "_ms": statistics.median(p[name] for p in phases) * 1e3
+            name.removesuffix("_s") + "_ms": statistics.median(t.phases[name] for t in timelines)
+            * 1e3
             for name in PHASES
-            if phases
+            if timelines
         }
         return {
             "count": len(timelines),
