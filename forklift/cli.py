@@ -163,6 +163,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
+    from forklift.server.tool_parsers import PARSERS
+
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="hermes",
+        help="how tool calls are read from output and held by grammars (see docs/serving.md)",
+    )
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -411,12 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds running requests get to finish after SIGTERM / SIGINT (then aborted)",
     )
-    srv.add_argument(
-        "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
-        default="hermes",
-        help="how tool calls are read from output under tool_choice 'auto' (see docs/serving.md)",
-    )
+    add_tool_call_parser_arg(srv)
     srv.add_argument(
         "--batch-dir",
         default=None,
@@ -441,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model name request bodies may give (default: the model's name)",
     )
-    batch.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes")
+    add_tool_call_parser_arg(batch)
     batch.add_argument(
         "--max-concurrent-requests",
         type=int,
