@@ -122,5 +122,7 @@ def test_the_server_keeps_each_finished_requests_timeline(tiny_dir, stream):
             timeout=30,
         )
         assert later.json()["timelines"] == []
+        bad = httpx.get(url + "/status/first_token.json", params={"since": "soon"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "since", bad.text
         status = httpx.get(url + "/status.json", timeout=30).json()["first_token"]
         assert status["count"] == 2 and status["median"]["ttft_ms"] > 0

@@ -68,10 +68,16 @@ def error_body(
     }
 
 
+_REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})
+
+
 def invalid_body(errors: Sequence[Mapping[str, Any]]) -> APIError:
-    """pydantic's validation errors of a request body -> a 400 naming the first field."""
+    """pydantic's validation errors of a request (its body or query) -> a 400 naming the
+    first field."""
     first = errors[0] if errors else {}
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    location = [str(p) for p in first.get("loc", ())]
+    if location and location[0] in _REQUEST_PARTS:  # where FastAPI found it, not a field
+        location = location[1:]
     where = ".".join(location)
     message = first.get("msg", "invalid request")
     return APIError(
