@@ -60,6 +60,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory"
     )
     group.add_argument("--block-size", type=int, default=16)
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="how the KV cache stores K/V: auto (the model's dtype) or int8 (a scale per "
+        "token and head: about twice the tokens in the same memory)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -146,6 +152,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DECODE_BACKENDS = ("auto", "native", "torch")
+KV_CACHE_DTYPES = ("auto", "int8")
+# vLLM's fp8 cache names: refused with a pointer to int8 (no fp8 kernels here yet).
+_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
@@ -63,6 +66,10 @@ class EngineConfig:
     device: str = "auto"
     # Tokens per KV-cache block.
     block_size: int = 16
+    # How the KV cache stores K/V (vLLM's name): "auto" = the model's dtype; "int8" = int8
+    # codes with a float32 scale per token and KV head (about twice the tokens in the same
+    # memory, half the bytes a decode step reads; docs/architecture.md).
+    kv_cache_dtype: str = "auto"
     # Longest prompt + output; None = the model's context length.
     max_model_len: int | None = None
     # Most sequences in one step.
@@ -160,6 +167,7 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")
+        validate_kv_cache_dtype(self.kv_cache_dtype)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len, optional=True)
@@ -252,6 +260,19 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return max(2048, self.max_num_seqs)
+
+
+def validate_kv_cache_dtype(name: object) -> None:
+    """A ValueError naming the field for anything but a supported name."""
+    if name in _FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not supported by forklift's kernels; use 'int8' (a "
+            "scale per token and head, the memory of an fp8 cache with per-row scales)"
+        )
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}"
+        )
 
 
 def _off_or_positive(name: str, value: int | None, zero_means: str) -> None:

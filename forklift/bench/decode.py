@@ -162,7 +162,7 @@ def kv_bytes_per_step(llm: LLM, batch: int, context: int) -> int:
     config = engine.model_config
     block = engine.config.block_size
     positions = -(-context // block) * block
-    per_token = kv_bytes_per_token(config, engine.dtype)
+    per_token = kv_bytes_per_token(config, engine.runner.kv_format)
     return batch * (positions * per_token + state_bytes_per_sequence(config, engine.dtype))
 
 

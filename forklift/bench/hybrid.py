@@ -123,7 +123,7 @@ def _measure(path: Path, name: str, dtype: str, settings: HybridSettings) -> lis
             llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
             prefills.append(context / (time.perf_counter() - start))
         prefill = max(prefills)
-        cache = context * kv_bytes_per_token(engine.model_config, engine.dtype)
+        cache = context * kv_bytes_per_token(engine.model_config, engine.runner.kv_format)
         cache += state_bytes_per_sequence(engine.model_config, engine.dtype)
         for batch in settings.batch_sizes:
             steps = time_pure_decode(llm, batch, context, settings.timed_steps, rng, margin=_MARGIN)

@@ -175,6 +175,7 @@ class LLMEngine:
                 allow_cross_node=config.allow_cross_node_tensor_parallel,
                 quantization=self.quantization,
                 decode_backend=config.decode_backend,
+                kv_cache_dtype=config.kv_cache_dtype,
             ),
         )
         self.runner = ModelRunner(
@@ -198,6 +199,7 @@ class LLMEngine:
             decode_backend=config.decode_backend,
             lora=lora_limits,
             batch_invariant=config.batch_invariant,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         # Speculation's draft model or MTP layer: its K/V share the target's blocks and budget.
         self.draft_runner: ModelRunner | None = None
@@ -402,8 +404,9 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB; %s); max concurrency at "
-            "max_model_len=%d: %.2fx",
+            "KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB; %s); max concurrency "
+            "at max_model_len=%d: %.2fx",
+            self.runner.kv_format.name,
             plan.num_blocks - 1,
             plan.block_size,
             plan.token_capacity,

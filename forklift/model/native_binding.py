@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from forklift.model.gemma3 import Gemma3ForCausalLM
+from forklift.model.kv_cache_dtype import is_quantized_cache
 from forklift.model.layers.block_weights import BlockInt4, BlockInt8
 from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
@@ -28,6 +29,8 @@ from forklift.native.decode_step import StepLayer, StepLoRA, StepModel, StepQuan
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
+# csrc/paged_attention.h's CACHE_INT8: int8 rows with a scale each.
+_CACHE_INT8 = 2
 # Block weights run every step whole, at any number of rows, unless an engine keeps dense
 # copies for prefill (batch_invariant off): then decode steps of up to this many rows, twice
 # what the PyTorch layers' block kernels take (with no Python between layers the step still
@@ -163,7 +166,8 @@ class StepBinding:
         passes it on across weight updates)."""
         config = model.config
         key_cache = layer_caches[0][0]
-        kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+        kv_heads, num_blocks, block_size = key_cache.shape[:3]
+        head_dim = config.head_dim
         dtype = model.embed_tokens.weight.dtype
         self.vocab = config.vocab_size
         self.hidden = config.hidden_size
@@ -191,8 +195,10 @@ class StepBinding:
         caches = zip(model.layers, layer_caches, strict=True)
         for index, (layer, (keys, values)) in enumerate(caches):
             attn, mlp = layer.self_attn, layer.mlp
-            if keys.dtype != dtype or values.dtype != dtype:
-                raise ValueError("the native decode step needs the KV cache in the model's dtype")
+            if keys.dtype not in (dtype, torch.int8) or values.dtype != keys.dtype:
+                raise ValueError(
+                    "the native decode step needs the KV cache in the model's dtype or int8"
+                )
             # Gemma: post_attention_layernorm norms attention's output, and the MLP's input
             # norm is pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
             pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
@@ -232,6 +238,7 @@ class StepBinding:
             weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"), embed_blocks,
+            _CACHE_INT8 if is_quantized_cache(key_cache) else _DTYPE_FLAGS[dtype],
         )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ import torch
 from forklift.checkpoint.source import ModelSource
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.scheduler_output import ScheduledChunk
+from forklift.model.kv_cache_dtype import kv_cache_format
 from forklift.model.layers.linear import Linear
 from forklift.model.llama import LayerCache
 from forklift.model.model_config import ModelConfig
@@ -79,7 +80,9 @@ def mtp_weight_bytes(mtp: MultiTokenPredictor) -> int:
 
 def mtp_block_bytes(mtp: MultiTokenPredictor, block_size: int) -> int:
     """The layer's K/V in one block."""
-    return kv_block_bytes(mtp.layer_config, mtp.fc.weight.dtype, block_size)
+    return kv_block_bytes(
+        mtp.layer_config, kv_cache_format("auto", mtp.fc.weight.dtype), block_size
+    )
 
 
 @dataclass

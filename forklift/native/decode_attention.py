@@ -3,7 +3,8 @@
 The kernel reads keys and values straight from the paged cache through the block table,
 as the compiled in-place kernel does, but as one call into plain C: no guard checks and no
 graph wrapper per layer, one fp32 widening per loaded row shared by a KV head's query heads,
-and masked positions skipped. Same arguments and result as `DecodeKernel`.
+and masked positions skipped. Same arguments and result as `DecodeKernel`; the cache in the
+queries' dtype or int8 (model/kv_cache_dtype.py), widened inside the kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from forklift.native.build import load_native_library
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
+# csrc/paged_attention.h's CACHE_*: fp32 0, bf16 1, int8 rows with a scale each 2.
+_CACHE_FORMATS = {**_DTYPE_FLAGS, torch.int8: 2}
 PROFILER_NAME = "forklift::native_decode_attention"
 
 
@@ -25,7 +28,8 @@ class NativeDecodeAttention:
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.forklift_decode_attention
         pointers, sizes = [ctypes.c_void_p] * 6, [ctypes.c_int64] * 7
-        function.argtypes = [*pointers, *sizes, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        flags = [ctypes.c_int] * 3  # cache format, bf16 queries, threads
+        function.argtypes = [*pointers, *sizes, ctypes.c_float, *flags]
         function.restype = ctypes.c_int
         self._function = function
 
@@ -36,11 +40,12 @@ class NativeDecodeAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """CPU tensors in bf16 or fp32 (queries in the cache's dtype), the cache contiguous."""
+        """CPU tensors, queries in bf16 or fp32 and the cache in their dtype or int8, the
+        cache contiguous."""
         return (
             key_cache.device.type == "cpu"
-            and key_cache.dtype in _DTYPE_FLAGS
-            and q.dtype == key_cache.dtype
+            and q.dtype in _DTYPE_FLAGS
+            and key_cache.dtype in (q.dtype, torch.int8)
             and key_cache.is_contiguous()
         )
 
@@ -54,7 +59,7 @@ class NativeDecodeAttention:
         scale: float,
     ) -> torch.Tensor:
         seqs, heads, head_dim = q.shape
-        kv_heads, num_blocks, block_size, _ = key_cache.shape
+        kv_heads, num_blocks, block_size = key_cache.shape[:3]
         if value_cache.dtype != key_cache.dtype or not value_cache.is_contiguous():
             raise ValueError("the value cache must match the key cache: dtype and layout")
         # The C side reads int64 block ids, float32 biases and packed rows (no-ops as built).
@@ -69,7 +74,7 @@ class NativeDecodeAttention:
                 q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                 kv_blocks.data_ptr(), bias.data_ptr(), out.data_ptr(), seqs, heads, kv_heads,
                 num_blocks, block_size, head_dim, kv_blocks.shape[1], scale,
-                _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
+                _CACHE_FORMATS[key_cache.dtype], _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
             )  # fmt: skip
         if failed:
             raise MemoryError("decode attention could not allocate its scratch buffers")

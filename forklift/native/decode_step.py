@@ -98,6 +98,7 @@ class StepModel(ctypes.Structure):
         ("embed_scale", ctypes.c_float),
         ("gelu", ctypes.c_int),
         ("embed_blocks", StepQuantWeight),
+        ("cache_format", ctypes.c_int),
     ]  # fmt: skip
 
 

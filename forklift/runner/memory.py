@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from forklift.core.kv_cache_manager import blocks_per_sequence
+from forklift.model.kv_cache_dtype import KVCacheFormat, kv_cache_format
 from forklift.model.kv_layout import kv_layout
 from forklift.model.model_config import ModelConfig
 
@@ -19,17 +20,17 @@ from forklift.model.model_config import ModelConfig
 RECURRENT_STATE_DTYPE = torch.float32
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V, every full-attention layer, every KV head: 2 * L * H_kv * d_head * bytes."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(config.attention_layers) * config.num_kv_heads * config.head_dim * element
+def kv_bytes_per_token(config: ModelConfig, cache: KVCacheFormat) -> int:
+    """K and V, every full-attention layer, every KV head: 2 * L * H_kv * row bytes (d_head
+    values, or an int8 cache's d_head codes and scale)."""
+    row = cache.row_bytes(config.head_dim)
+    return 2 * len(config.attention_layers) * config.num_kv_heads * row
 
 
-def kv_block_bytes(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+def kv_block_bytes(config: ModelConfig, cache: KVCacheFormat, block_size: int) -> int:
     """One block: `block_size` tokens' K and V in each layer of one KV group."""
-    element = torch.empty((), dtype=dtype).element_size()
     layers = kv_layout(config).layers_per_block
-    return 2 * layers * config.num_kv_heads * config.head_dim * element * block_size
+    return 2 * layers * config.num_kv_heads * cache.row_bytes(config.head_dim) * block_size
 
 
 def state_bytes_per_sequence(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -148,6 +149,7 @@ def plan_kv_cache(
     dtype: torch.dtype,
     block_size: int,
     kv_cache_memory_bytes: int | None,
+    kv_format: KVCacheFormat | None = None,
     memory_utilization: float,
     total_memory: int,
     weight_bytes: int,
@@ -162,8 +164,10 @@ def plan_kv_cache(
     layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
     fixes the block count instead (and gives a hybrid model a slot per sequence).
     `extra_bytes_per_block`: a speculation drafter's K/V (a draft model's, an MTP
-    layer's), held in the same blocks."""
-    bytes_per_block = kv_block_bytes(model_config, dtype, block_size) + extra_bytes_per_block
+    layer's), held in the same blocks. `kv_format`: how the blocks hold K/V (default: in
+    `dtype`)."""
+    cache = kv_format or kv_cache_format("auto", dtype)
+    bytes_per_block = kv_block_bytes(model_config, cache, block_size) + extra_bytes_per_block
     groups = {"windows": kv_layout(model_config).windows, "max_chunk": max_chunk}
     per_slot = state_bytes_per_sequence(model_config, dtype)
     if num_blocks_override is not None:

@@ -15,6 +15,7 @@ from torch import nn
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.cpu import cpu_flags
 from forklift.model.gemma3 import Gemma3ForCausalLM
+from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
 from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
@@ -136,6 +137,7 @@ class ModelRunner:
         decode_backend: str = "auto",
         lora: LoRALimits | None = None,
         batch_invariant: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`weights` yields the full HF-named tensors (called again to reload them). With a
         tensor-parallel group, this runner holds one rank's shard; rank 0's runner drives
@@ -143,6 +145,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
+        # How the KV cache holds K/V: in `dtype`, or int8 rows with a scale each.
+        self.kv_format = kv_cache_format(kv_cache_dtype, dtype)
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -226,6 +230,7 @@ class ModelRunner:
             dtype=self.dtype,
             block_size=self.block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_format=self.kv_format,
             num_blocks_override=num_blocks_override,
             memory_utilization=memory_utilization,
             total_memory=self._memory_share(),
@@ -269,7 +274,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.model.config, self.dtype, self.block_size)
+        return kv_block_bytes(self.model.config, self.kv_format, self.block_size)
 
     @property
     def _lora_bytes(self) -> int:
@@ -462,6 +467,8 @@ class ModelRunner:
         if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
             return
         key_cache, value_cache = self.layer_caches[layer]
+        if is_quantized_cache(key_cache):
+            return  # an int8 cache's rows are read by gathering (nothing to compile)
         # Queries come in the cache's dtype, so the cache stands in for them here.
         if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
             return  # the native kernel serves every decode step: nothing to compile
@@ -483,11 +490,11 @@ class ModelRunner:
         # (layers/decode_attention.py).
         shape = (
             layout.layers_per_block, 2, cfg.num_kv_heads, num_blocks, self.block_size,
-            cfg.head_dim,
+            self.kv_format.row_elements(cfg.head_dim),
         )  # fmt: skip
         # torch.empty leaves pages untouched until a block is first used; only the null
         # block, which pads every read, must hold zeros (others are zeroed on first use).
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        cache = torch.empty(shape, dtype=self.kv_format.storage, device=self.device)
         cache[:, :, :, 0].zero_()
         self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
         self._unwritten_blocks[0] = False

@@ -45,6 +45,7 @@ class RankSpec:
     allow_cross_node: bool
     quantization: str = "none"  # the method rank 0 resolved
     decode_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -181,5 +182,6 @@ def _serve_rank(rank: int, world: int, store: dist.Store, spec: RankSpec) -> Non
         tp=group,
         quantization=quantization_plan(source, model_config, spec.quantization),
         decode_backend=spec.decode_backend,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
     follow_rank0(runner, group)

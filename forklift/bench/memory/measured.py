@@ -13,6 +13,7 @@ from forklift.bench.memory.slots import SlotCount, slot_row
 from forklift.bench.report import markdown_table
 from forklift.core.kv_cache_manager import blocks_for_tokens
 from forklift.engine.engine import LLMEngine
+from forklift.model.kv_cache_dtype import kv_cache_format
 from forklift.model.model_config import ModelConfig
 from forklift.runner.memory import kv_bytes_per_token
 from forklift.sampling_params import SamplingParams
@@ -132,7 +133,9 @@ def measure_run(
     spec: RunSpec, model: str | None, model_name: str, config: ModelConfig
 ) -> MeasuredResult:
     workload = make_workload(spec, config.vocab_size)
-    kv_bytes = kv_bytes_for(workload, spec, kv_bytes_per_token(config, torch.float32))
+    kv_bytes = kv_bytes_for(
+        workload, spec, kv_bytes_per_token(config, kv_cache_format("auto", torch.float32))
+    )
     engine = start_engine(spec, model, kv_bytes)
     add_workload(engine, workload)
     tally = WasteTally()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from forklift.model.kv_cache_dtype import is_quantized_cache, quantize_rows
 from forklift.model.layers.decode_attention import (
     DecodeKernel,
     gathered_decode_attention,
@@ -70,10 +71,13 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value: [num_tokens, kv_heads, head_dim] into caches of
-    [kv_heads, num_blocks, block_size, head_dim]."""
-    kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    value_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    [kv_heads, num_blocks, block_size, row] (row: head_dim, or an int8 cache's codes and
+    scale, quantized here)."""
+    if is_quantized_cache(key_cache):
+        key, value = quantize_rows(key), quantize_rows(value)
+    kv_heads, row = key.shape[1], key.shape[2]
+    key_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    value_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def paged_attention(
@@ -130,8 +134,8 @@ def _attend(
         bias = group.mask.view(seqs, -1)  # [S, L], strides (L, 1) whatever NumPy gave
         return decode(flat, key_cache, value_cache, group.kv_blocks, bias, scale)
     kv_heads = key_cache.shape[0]
-    k = read_blocks(key_cache, group.kv_blocks)  # [Hkv, S, L, D]
-    v = read_blocks(value_cache, group.kv_blocks)
+    k = read_blocks(key_cache, group.kv_blocks, q.dtype)  # [Hkv, S, L, D]
+    v = read_blocks(value_cache, group.kv_blocks, q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [S, H, Q, D]
         k.transpose(0, 1),  # [S, Hkv, L, D]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from forklift.model.kv_cache_dtype import dequantize_rows, is_quantized_cache
 from forklift.native.decode_attention import NativeDecodeAttention
 
 logger = logging.getLogger("forklift")
@@ -49,8 +50,8 @@ def gathered_decode_attention(
 ) -> torch.Tensor:
     seqs, heads, head_dim = q.shape
     kv_heads = key_cache.shape[0]
-    k = read_blocks(key_cache, kv_blocks)  # [Hkv, S, L, D]
-    v = read_blocks(value_cache, kv_blocks)
+    k = read_blocks(key_cache, kv_blocks, q.dtype)  # [Hkv, S, L, D]
+    v = read_blocks(value_cache, kv_blocks, q.dtype)
     context = k.shape[2]
     # Each KV head's queries of one sequence are the rows of one small matmul.
     rows = q.view(seqs, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [Hkv, S, G, D]
@@ -84,14 +85,14 @@ def in_place_decode_attention(
     return out.transpose(0, 1).reshape(seqs, heads * head_dim).to(q.dtype)
 
 
-def read_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, S, blocks x block_size,
-    head_dim] for a [S, blocks] table: each (head, sequence) context is contiguous."""
-    kv_heads, num_blocks, block_size, head_dim = cache.shape
-    rows = cache.view(kv_heads, num_blocks, block_size * head_dim).index_select(
-        1, blocks.reshape(-1)
-    )
-    return rows.view(kv_heads, blocks.shape[0], -1, head_dim)
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [kv_heads, num_blocks, block_size, row] -> [kv_heads, S, blocks x block_size,
+    head_dim] for a [S, blocks] table: each (head, sequence) context is contiguous, in
+    `dtype` (an int8 cache's rows widened)."""
+    kv_heads, num_blocks, block_size, row = cache.shape
+    rows = cache.view(kv_heads, num_blocks, block_size * row).index_select(1, blocks.reshape(-1))
+    rows = rows.view(kv_heads, blocks.shape[0], -1, row)
+    return dequantize_rows(rows, dtype) if is_quantized_cache(cache) else rows
 
 
 @functools.cache
@@ -135,7 +136,8 @@ class DecodeAttention:
         native = self.native
         if native is not None and native.supports(q, key_cache):
             return native(q, key_cache, value_cache, kv_blocks, bias, scale)
-        if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS:
+        quantized = is_quantized_cache(key_cache)  # the in-place kernel reads raw rows
+        if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS or quantized:
             return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)
         try:
             kernel, no_duck_sizing = self._in_place_kernel()

@@ -1,5 +1,5 @@
-/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 cache and head sizes
- * of 64, 128 or 256: the form the decode step and the per-layer kernel run where it builds
+/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 or int8 cache and
+ * head sizes of 64, 128 or 256: the form the decode step and the per-layer kernel run where it builds
  * (paged_attention.h's attend_rows is the fallback everywhere else).
  *
  * A task is one KV head of a run of rows reading the same blocks (a decode row, or the rows
@@ -125,17 +125,27 @@ static inline __attribute__((always_inline)) void score_tile(
                       &max_lanes[j]);
     }
 }
-#else
-/* Every query vector's scores at one tile (positions t0 .. t0 + 15), the key rows widened
- * to fp32 once into `keys` [16, head_dim] for all vectors. */
-static inline __attribute__((always_inline)) void score_tile(
-    const float *queries, int64_t count, const uint16_t *const *rows, float *keys,
+#endif
+
+/* Every query vector's scores at one tile (positions t0 .. t0 + 15) from its key rows
+ * widened to fp32 once into `keys` [16, head_dim] for all vectors: bf16 rows as they are,
+ * int8 rows' codes times their row's scale. */
+static inline __attribute__((always_inline)) void score_tile_widened(
+    const float *queries, int64_t count, const char *const *rows, float *keys,
     const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
-    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes) {
+    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes, int format) {
     const int64_t chunks = head_dim / 16;
-    for (int p = 0; p < 16; p++)
-        for (int64_t c = 0; c < chunks; c++)
-            ((float16_unaligned *)(keys + p * head_dim))[c] = widen16(rows[p] + 16 * c);
+    for (int p = 0; p < 16; p++) {
+        float16_unaligned *key = (float16_unaligned *)(keys + p * head_dim);
+        if (format == CACHE_INT8) {
+            const float row_scale = int8_row_scale(rows[p], head_dim);
+            for (int64_t c = 0; c < chunks; c++)
+                key[c] = widen_int8((const int8_t *)rows[p] + 16 * c) * row_scale;
+        } else {
+            for (int64_t c = 0; c < chunks; c++)
+                key[c] = widen16((const uint16_t *)rows[p] + 16 * c);
+        }
+    }
     for (int64_t j = 0; j < count; j++) {
         const float16_unaligned *q = (const float16_unaligned *)(queries + j * head_dim);
         float16_vector acc[16];
@@ -149,26 +159,33 @@ static inline __attribute__((always_inline)) void score_tile(
                       &max_lanes[j]);
     }
 }
-#endif
 
 /* acc[first + h] = sum over the live tiles' positions of weight * V, for `pass` vectors,
- * the sums in registers (pass and head_dim constants once inlined). */
+ * the sums in registers (pass, head_dim and format constants once inlined; an int8 row's
+ * scale joins its weight). */
 static inline __attribute__((always_inline)) void tile_values(
     float *acc, const float *scores, int64_t stride, const char *v_head, const int64_t *slots,
-    const uint16_t *masks, int64_t tiles, int64_t first, int64_t head_dim, int64_t pass) {
+    const uint16_t *masks, int64_t tiles, int64_t first, int64_t head_dim, int64_t pass,
+    int format) {
     const int64_t chunks = head_dim / 16;
-    const size_t row_bytes = (size_t)head_dim * 2;
+    const size_t row_bytes = cache_row_bytes(format, head_dim);
     float16_vector sums[4][16] = {{{0}}};
     for (int64_t i = 0; i < tiles; i++) {
         if (masks[i] == 0) continue;
         const int ahead = i + TILE_AHEAD < tiles && masks[i + TILE_AHEAD] != 0;
         for (int p = 0; p < 16; p++) {
             if (ahead) prefetch_row(v_head, slots[16 * (i + TILE_AHEAD) + p], row_bytes);
-            const uint16_t *row = (const uint16_t *)v_head + slots[16 * i + p] * head_dim;
+            const char *row = v_head + (size_t)slots[16 * i + p] * row_bytes;
             float16_vector v[16];
-            for (int64_t c = 0; c < chunks; c++) v[c] = widen16(row + 16 * c);
+            float row_scale = 1.0f;
+            if (format == CACHE_INT8) {
+                row_scale = int8_row_scale(row, head_dim);
+                for (int64_t c = 0; c < chunks; c++) v[c] = widen_int8((const int8_t *)row + 16 * c);
+            } else {
+                for (int64_t c = 0; c < chunks; c++) v[c] = widen16((const uint16_t *)row + 16 * c);
+            }
             for (int64_t h = 0; h < pass; h++) {
-                const float w = scores[(first + h) * stride + 16 * i + p];
+                const float w = scores[(first + h) * stride + 16 * i + p] * row_scale;
                 for (int64_t c = 0; c < chunks; c++) sums[h][c] += w * v[c];
             }
         }
@@ -187,12 +204,12 @@ static inline __attribute__((always_inline)) int attend_range(
     const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
     int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
     int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
-    int64_t chunk, int64_t num_chunks) {
+    int64_t chunk, int64_t num_chunks, int format) {
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     if (to > width) to = width;
     const int64_t tiles = to > from ? (to - from + 15) / 16 : 0;
-    const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = (size_t)head_dim * 2;
+    const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = cache_row_bytes(format, head_dim);
     const int64_t *table = blocks + first_row * table_width;
     const float *query_bias[count];
     for (int64_t j = 0; j < count; j++) query_bias[j] = bias + (first_row + j / group) * width;
@@ -251,9 +268,9 @@ static inline __attribute__((always_inline)) int attend_range(
             if (!(mask >> p & 1u)) slots[16 * i + p] = fill;
     }
 
-    const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
-    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * 2;
-    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * 2;
+    const size_t head_bytes = (size_t)(num_blocks * block_size) * row_bytes;
+    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_bytes;
+    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_bytes;
     for (int64_t j = 0; j < count; j++) {
         const int64_t row = first_row + j / group, head = kv_head * group + j % group;
         LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
@@ -272,7 +289,7 @@ static inline __attribute__((always_inline)) int attend_range(
             continue;
         }
         const int ahead = i + TILE_AHEAD < live_tiles && masks[i + TILE_AHEAD] != 0;
-        const uint16_t *rows[16];
+        const char *rows[16];
         for (int p = 0; p < 16; p++) {
             if (ahead) {
                 const int64_t slot = slots[16 * (i + TILE_AHEAD) + p];
@@ -281,15 +298,17 @@ static inline __attribute__((always_inline)) int attend_range(
                  * flight while the scores are computed, not one (5-10% faster cold). */
                 prefetch_row_l2(v_head, slot, row_bytes);
             }
-            rows[p] = (const uint16_t *)k_head + slots[16 * i + p] * head_dim;
+            rows[p] = k_head + (size_t)slots[16 * i + p] * row_bytes;
         }
 #if defined(SCORE_FROM_BF16)
-        score_tile(queries_bf16, count, rows, query_bias, base + 16 * i, to, scale, head_dim,
-                   scores, span, 16 * i, max_lanes);
-#else
-        score_tile(queries, count, rows, keys, query_bias, base + 16 * i, to, scale, head_dim,
-                   scores, span, 16 * i, max_lanes);
+        if (format == CACHE_BF16) {
+            score_tile(queries_bf16, count, (const uint16_t *const *)rows, query_bias,
+                       base + 16 * i, to, scale, head_dim, scores, span, 16 * i, max_lanes);
+            continue;
+        }
 #endif
+        score_tile_widened(queries, count, rows, keys, query_bias, base + 16 * i, to, scale,
+                           head_dim, scores, span, 16 * i, max_lanes, format);
     }
 
     /* Weights exp(s - max) in place, summed in sixteen lanes by position mod 16. A vector
@@ -319,13 +338,17 @@ static inline __attribute__((always_inline)) int attend_range(
     for (int64_t j = 0; j < count; j += per_pass) {
         const int64_t left = count - j < per_pass ? count - j : per_pass;
         if (left == 1)
-            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 1);
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 1,
+                        format);
         else if (left == 2)
-            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 2);
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 2,
+                        format);
         else if (left == 3)
-            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 3);
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 3,
+                        format);
         else
-            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 4);
+            tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 4,
+                        format);
     }
 
     for (int64_t j = 0; j < count; j++) {
@@ -368,41 +391,48 @@ static inline void merge_chunks(const float *parts, int64_t chunks, int64_t part
     store_normalised(out, merged, total, head_dim, io_bf16);
 }
 
-/* attend_range with the head size a constant (64, 128 or 256). */
+/* attend_range with the head size (64, 128 or 256) and the cache format constants. */
 static inline int attend_chunk(const void *q, const void *key_cache, const void *value_cache,
                                const int64_t *blocks, const float *bias, void *out,
                                int64_t first_row, int64_t num_rows, int64_t kv_head,
                                int64_t heads, int64_t kv_heads, int64_t num_blocks,
                                int64_t block_size, int64_t head_dim, int64_t table_width,
                                float scale, int io_bf16, int64_t chunk, int64_t num_chunks,
-                               float *parts) {
+                               float *parts, int format) {
     const int64_t from = chunk * ATTENTION_CHUNK, to = from + ATTENTION_CHUNK;
-#define ATTEND_CHUNK(size)                                                                    \
+#define ATTEND_CHUNK(size, form)                                                              \
     attend_range(q, key_cache, value_cache, blocks, bias, out, first_row, num_rows, kv_head,  \
                  heads, kv_heads, num_blocks, block_size, size, table_width, scale, io_bf16,  \
-                 from, to, parts, chunk, num_chunks)
-    if (head_dim == 64) return ATTEND_CHUNK(64);
-    if (head_dim == 128) return ATTEND_CHUNK(128);
-    return ATTEND_CHUNK(256);
+                 from, to, parts, chunk, num_chunks, form)
+    if (format == CACHE_INT8) {
+        if (head_dim == 64) return ATTEND_CHUNK(64, CACHE_INT8);
+        if (head_dim == 128) return ATTEND_CHUNK(128, CACHE_INT8);
+        return ATTEND_CHUNK(256, CACHE_INT8);
+    }
+    if (head_dim == 64) return ATTEND_CHUNK(64, CACHE_BF16);
+    if (head_dim == 128) return ATTEND_CHUNK(128, CACHE_BF16);
+    return ATTEND_CHUNK(256, CACHE_BF16);
 #undef ATTEND_CHUNK
 }
 
-static inline int tiles_cover(int64_t head_dim, int is_bf16) {
-    return is_bf16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+/* Caches and head sizes the tiles serve (fp32 caches take attend_rows). */
+static inline int tiles_cover(int64_t head_dim, int format) {
+    return format != CACHE_FP32 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 /* Every task of a step's attention: each piece of rows (first[i], length[i]: rows reading
  * the same blocks), KV head and chunk of ATTENTION_CHUNK positions. Where the tables reach
  * past one chunk, each chunk leaves partial results, merged per query vector once all
  * tasks are done. The chunks depend on positions only, so a row's result is the same in
- * any batch. q and out: [rows, heads, head_dim], fp32 or bf16 by io_bf16. Returns 1 when
- * scratch memory ran out. */
+ * any batch. q and out: [rows, heads, head_dim], fp32 or bf16 by io_bf16; format: the
+ * cache's CACHE_BF16 or CACHE_INT8. Returns 1 when scratch memory ran out. */
 static int tiled_attention(const void *q, const void *key_cache, const void *value_cache,
                            const int64_t *blocks, const float *bias, void *out, int64_t rows,
                            int64_t heads, int64_t kv_heads, int64_t num_blocks,
                            int64_t block_size, int64_t head_dim, int64_t table_width,
                            float scale, int io_bf16, const int64_t *first,
-                           const int64_t *length, int64_t pieces, int num_threads) {
+                           const int64_t *length, int64_t pieces, int num_threads,
+                           int format) {
     const int64_t width = table_width * block_size;
     /* At least one chunk: a table of no width still writes its (zero) outputs. */
     const int64_t chunks_spanned = (width + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
@@ -425,7 +455,7 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
             failed |= attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
                                    length[piece], kv_head, heads, kv_heads, num_blocks,
                                    block_size, head_dim, table_width, scale, io_bf16, chunk,
-                                   num_chunks, parts);
+                                   num_chunks, parts, format);
         }
         if (parts != NULL) {
 #pragma omp for schedule(static)

@@ -10,8 +10,9 @@
  * its group's blocks, window-masked, and writes its own slots).
  *
  * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX, a
- * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms, the
- * embedding and the KV cache are in the model's dtype (bf16 or fp32). A row running a LoRA
+ * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
+ * embedding are in the model's dtype (bf16 or fp32), the KV cache in it too or in int8
+ * rows with a scale each (paged_attention.h's CACHE_INT8), quantized as they are written. A row running a LoRA
  * adapter adds its slot's delta to each projection it adapts (float32 slots, see
  * lora_add). The residual
  * stream and every activation stay in fp32 between operations. Each matmul and the
@@ -94,6 +95,7 @@ typedef struct {
     float embed_scale;       /* the embedding times this, rounded to the dtype; 0: none */
     int gelu;                /* the MLP gates with tanh-GELU (else SiLU) */
     QuantWeight embed_blocks; /* embed NULL: the embedding is the tied head's q8 blocks */
+    int cache_format;        /* the KV cache's CACHE_* (paged_attention.h) */
 } StepModel;
 
 static inline float load_value(const void *base, int64_t i, int is_bf16) {
@@ -313,12 +315,13 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     int64_t first[rows], length[rows];
     const int64_t pieces = attention_pieces(blocks, rows, table_width, m->kv_heads,
                                             num_threads, first, length);
+    const int format = m->cache_format;
 #if defined(ATTENTION_TILES)
-    if (tiles_cover(m->head_dim, m->is_bf16)) {
+    if (tiles_cover(m->head_dim, format)) {
         *failed |= tiled_attention(q, layer->key_cache, layer->value_cache, blocks, bias, out,
                                    rows, m->heads, m->kv_heads, m->num_blocks, m->block_size,
                                    m->head_dim, table_width, m->scale, 0, first, length,
-                                   pieces, num_threads);
+                                   pieces, num_threads, format);
         return;
     }
 #endif
@@ -328,26 +331,24 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t piece = task / m->kv_heads, kv_head = task % m->kv_heads;
         const int64_t row = first[piece], count = length[piece];
-        if (m->head_dim == 64 && m->is_bf16)
-            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
-                                       out, row, count, kv_head, m->heads, m->kv_heads,
-                                       m->num_blocks, m->block_size, 64, table_width, m->scale,
-                                       1, 0);
-        else if (m->head_dim == 128 && m->is_bf16)
-            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
-                                       out, row, count, kv_head, m->heads, m->kv_heads,
-                                       m->num_blocks, m->block_size, 128, table_width,
-                                       m->scale, 1, 0);
-        else if (m->head_dim == 256 && m->is_bf16)
-            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
-                                       out, row, count, kv_head, m->heads, m->kv_heads,
-                                       m->num_blocks, m->block_size, 256, table_width,
-                                       m->scale, 1, 0);
+        /* Common head sizes get their own copy with the size and format constants. */
+#define ATTEND(size, form)                                                                   \
+    attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias, out, row, count,     \
+                kv_head, m->heads, m->kv_heads, m->num_blocks, m->block_size, size,         \
+                table_width, m->scale, form, 0)
+        if (format == CACHE_BF16 && m->head_dim == 64)
+            task_failed |= ATTEND(64, CACHE_BF16);
+        else if (format == CACHE_BF16 && m->head_dim == 128)
+            task_failed |= ATTEND(128, CACHE_BF16);
+        else if (format == CACHE_BF16 && m->head_dim == 256)
+            task_failed |= ATTEND(256, CACHE_BF16);
+        else if (format == CACHE_INT8 && m->head_dim == 64)
+            task_failed |= ATTEND(64, CACHE_INT8);
+        else if (format == CACHE_INT8 && m->head_dim == 128)
+            task_failed |= ATTEND(128, CACHE_INT8);
         else
-            task_failed |= attend_rows(q, layer->key_cache, layer->value_cache, blocks, bias,
-                                       out, row, count, kv_head, m->heads, m->kv_heads,
-                                       m->num_blocks, m->block_size, m->head_dim, table_width,
-                                       m->scale, m->is_bf16, 0);
+            task_failed |= ATTEND(m->head_dim, format);
+#undef ATTEND
     }
     *failed |= task_failed;
 }
@@ -432,8 +433,9 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora,
                                     qkv, num_threads));
-        const size_t elem = is_bf16 ? 2 : 4;
-        const size_t head_stride = (size_t)(m->num_blocks * m->block_size * head_dim);
+        const int format = m->cache_format;
+        const size_t row_bytes = cache_row_bytes(format, head_dim);
+        const size_t head_bytes = (size_t)(m->num_blocks * m->block_size) * row_bytes;
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * qkv_size;
@@ -451,13 +453,17 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             for (int64_t h = 0; h < m->kv_heads; h++) {
                 const float *k = row + q_size + h * head_dim;
                 const float *v = row + q_size + kv_size + h * head_dim;
-                char *k_dst = (char *)layer->key_cache +
-                              ((size_t)h * head_stride + (size_t)(slots[r] * head_dim)) * elem;
-                char *v_dst = (char *)layer->value_cache +
-                              ((size_t)h * head_stride + (size_t)(slots[r] * head_dim)) * elem;
+                const size_t at = (size_t)h * head_bytes + (size_t)slots[r] * row_bytes;
+                char *k_dst = (char *)layer->key_cache + at;
+                char *v_dst = (char *)layer->value_cache + at;
+                if (format == CACHE_INT8) {
+                    quantize_cache_row(k, head_dim, k_dst);
+                    quantize_cache_row(v, head_dim, v_dst);
+                    continue;
+                }
                 for (int64_t i = 0; i < head_dim; i++) {
-                    store_value(k_dst, i, k[i], is_bf16);
-                    store_value(v_dst, i, v[i], is_bf16);
+                    store_value(k_dst, i, k[i], format == CACHE_BF16);
+                    store_value(v_dst, i, v[i], format == CACHE_BF16);
                 }
             }
             /* Queries packed [rows, heads, head_dim] for the attention kernel. */

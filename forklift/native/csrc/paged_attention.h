@@ -50,6 +50,43 @@ static inline float16_vector widen_bf16(const uint16_t *src) {
     return (float16_vector)bits;
 }
 
+/* How the KV cache holds one row of head_dim values: fp32, bf16, or int8 codes followed by
+ * their fp32 scale (value = code * scale, one scale per token and KV head: the row's
+ * largest magnitude over 127), head_dim + 4 bytes a row. */
+enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2 };
+
+static inline size_t cache_row_bytes(int format, int64_t head_dim) {
+    return format == CACHE_INT8 ? (size_t)head_dim + sizeof(float)
+                                : (size_t)head_dim * (format == CACHE_BF16 ? 2 : 4);
+}
+
+/* An int8 row's scale (the row is not 4-byte aligned at every head size). */
+static inline float int8_row_scale(const char *row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
+}
+
+/* One row of n values into the cache's int8 form: codes round(x * 127 / max|x|) (nearest,
+ * ties to even), then the scale max|x| / 127. A row depends on its own values only. */
+static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < n; i++) largest = fmaxf(largest, fabsf(x[i]));
+    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    int8_t *codes = (int8_t *)dst;
+    for (int64_t i = 0; i < n; i++) codes[i] = (int8_t)nearbyintf(x[i] * inverse);
+    memcpy(dst + n, &scale, sizeof scale);
+}
+
+typedef int8_t int8_16_vector __attribute__((vector_size(16)));
+
+/* Sixteen int8 codes widened to fp32. */
+static inline float16_vector widen_int8(const int8_t *src) {
+    int8_16_vector raw;
+    memcpy(&raw, src, sizeof raw);
+    return __builtin_convertvector(raw, float16_vector);
+}
+
 /* Element-wise work (exp, sigmoid) runs on vectors of one register: sixteen lanes with
  * AVX-512, eight below it, where GCC lowers 16-lane arithmetic through the stack (measured
  * 5x slower on AVX2). */
@@ -139,22 +176,30 @@ static inline float16_vector sum4(float16_vector a0, float16_vector a1, float16_
 
 /* acc[j] = sum_t p[j, t] * V[t] for query vectors j in [first, first + pass) (vectors past
  * `count` get zero weights), over the live positions only, with the pass's sums held in
- * registers: head_dim and pass are constants at each call site once inlined. */
-static inline __attribute__((always_inline)) void accumulate_values_bf16(
+ * registers: head_dim, pass and the cache format (bf16 or int8, whose row scale joins the
+ * weight) are constants at each call site once inlined. */
+static inline __attribute__((always_inline)) void accumulate_values(
     float *acc, const float *scores, const char *v_head, const int64_t *slots,
     const int64_t *live, int64_t num_live, int64_t width, int64_t first, int64_t count,
-    int64_t head_dim, int64_t pass) {
+    int64_t head_dim, int64_t pass, int format) {
     float16_vector sums[4][8] = {{{0}}};
     const int64_t chunks = head_dim / 16;
+    const size_t row_bytes = cache_row_bytes(format, head_dim);
     for (int64_t i = 0; i < num_live; i++) {
         const int64_t t = live[i];
         if (i + PREFETCH_AHEAD < num_live)
-            prefetch_row(v_head, slots[live[i + PREFETCH_AHEAD]], (size_t)head_dim * 2);
-        const uint16_t *row = (const uint16_t *)v_head + slots[t] * head_dim;
+            prefetch_row(v_head, slots[live[i + PREFETCH_AHEAD]], row_bytes);
+        const char *row = v_head + (size_t)slots[t] * row_bytes;
         float16_vector v[8];
-        for (int64_t c = 0; c < chunks; c++) v[c] = widen_bf16(row + c * 16);
+        float row_scale = 1.0f;
+        if (format == CACHE_INT8) {
+            row_scale = int8_row_scale(row, head_dim);
+            for (int64_t c = 0; c < chunks; c++) v[c] = widen_int8((const int8_t *)row + c * 16);
+        } else {
+            for (int64_t c = 0; c < chunks; c++) v[c] = widen_bf16((const uint16_t *)row + c * 16);
+        }
         for (int64_t h = 0; h < pass; h++) {
-            const float p = first + h < count ? scores[(first + h) * width + t] : 0.0f;
+            const float p = first + h < count ? scores[(first + h) * width + t] * row_scale : 0.0f;
             for (int64_t c = 0; c < chunks; c++) sums[h][c] += p * v[c];
         }
     }
@@ -185,6 +230,19 @@ static inline void store_normalised(void *out_row, const float *sums, float tota
         } else {                                                              \
             memcpy((dst), (src), (size_t)(d_count) * sizeof(float));          \
         }                                                                     \
+    } while (0)
+
+/* One cache row widened to fp32 (an int8 row's codes times its scale). */
+#define LOAD_CACHE_ROW(dst, src, d_count, format)                                    \
+    do {                                                                             \
+        if ((format) == CACHE_INT8) {                                                \
+            const int8_t *codes_ = (const int8_t *)(src);                            \
+            const float scale_ = int8_row_scale((const char *)(src), (d_count));     \
+            _Pragma("omp simd") for (int64_t d_ = 0; d_ < (d_count); d_++)           \
+                (dst)[d_] = (float)codes_[d_] * scale_;                              \
+        } else {                                                                     \
+            LOAD_ROW(dst, src, d_count, (format) == CACHE_BF16);                     \
+        }                                                                            \
     } while (0)
 
 /* Scores of query vectors against four key rows (fp32, [4, head_dim]) at live positions
@@ -233,16 +291,17 @@ static inline __attribute__((always_inline)) void score_four(
  * decode row, or the rows verifying its drafts) for one KV head. The rows' G query heads
  * each are `count = num_rows * G` query vectors sharing every key and value row loaded,
  * each row widened to fp32 once; each vector's own bias row masks its positions, so a
- * vector's result does not depend on which rows share its task. */
+ * vector's result does not depend on which rows share its task. format: the cache's
+ * CACHE_* form; io_bf16: q and out in bf16 (else fp32). */
 static inline __attribute__((always_inline)) int attend_rows(
                       const void *q, const void *key_cache, const void *value_cache,
                       const int64_t *blocks, const float *bias, void *out, int64_t first_row,
                       int64_t num_rows, int64_t kv_head, int64_t heads, int64_t kv_heads,
                       int64_t num_blocks, int64_t block_size, int64_t head_dim,
-                      int64_t table_width, float scale, int is_bf16, int io_bf16) {
+                      int64_t table_width, float scale, int format, int io_bf16) {
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
-    const size_t elem = is_bf16 ? 2 : 4, io_elem = io_bf16 ? 2 : 4;
+    const size_t io_elem = io_bf16 ? 2 : 4;
     const size_t floats = (size_t)(count * width + 2 * count * head_dim + 4 * head_dim);
     float *buffer = malloc(sizeof(float) * floats);
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(2 * width + 4));
@@ -277,10 +336,10 @@ static inline __attribute__((always_inline)) int attend_rows(
         for (int64_t t = 0; t < width; t++) scores[j * width + t] = -INFINITY;
     }
 
-    const size_t row_bytes = (size_t)head_dim * elem;
-    const size_t head_stride = (size_t)(num_blocks * block_size * head_dim);
-    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_stride * elem;
-    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_stride * elem;
+    const size_t row_bytes = cache_row_bytes(format, head_dim);
+    const size_t head_bytes = (size_t)(num_blocks * block_size) * row_bytes;
+    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_bytes;
+    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_bytes;
 
     float max_score[count];
     for (int64_t j = 0; j < count; j++) max_score[j] = -INFINITY;
@@ -291,8 +350,8 @@ static inline __attribute__((always_inline)) int attend_rows(
         for (int p = 0; p < 4; p++) {
             at[p] = live[i + p < num_live ? i + p : num_live - 1];
             if (i + PREFETCH_AHEAD + p < num_live) prefetch_row(k_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
-            LOAD_ROW(keys + p * head_dim, k_head + (size_t)(slots[at[p]] * head_dim) * elem,
-                     head_dim, is_bf16);
+            LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
+                           head_dim, format);
         }
         score_four(queries, count, keys, at, row_bias, group, scale, head_dim, width, scores,
                    max_score);
@@ -327,12 +386,17 @@ static inline __attribute__((always_inline)) int attend_rows(
         total[j] = sum;
     }
 
-    if (is_bf16 && (head_dim == 64 || head_dim == 128)) {
+    if (format != CACHE_FP32 && (head_dim == 64 || head_dim == 128)) {
         /* Each pass writes its vectors' sums whole: acc needs no clearing. */
         const int64_t per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
-        for (int64_t j = 0; j < count; j += per_pass)
-            accumulate_values_bf16(acc, scores, v_head, slots, live, num_live, width, j, count,
-                                   head_dim, per_pass);
+        for (int64_t j = 0; j < count; j += per_pass) {
+            if (format == CACHE_INT8)
+                accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
+                                  head_dim, per_pass, CACHE_INT8);
+            else
+                accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
+                                  head_dim, per_pass, CACHE_BF16);
+        }
     } else {
         float *row = keys;
         memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
@@ -340,7 +404,7 @@ static inline __attribute__((always_inline)) int attend_rows(
             const int64_t t = live[i];
             if (i + PREFETCH_AHEAD < num_live)
                 prefetch_row(v_head, slots[live[i + PREFETCH_AHEAD]], row_bytes);
-            LOAD_ROW(row, v_head + (size_t)(slots[t] * head_dim) * elem, head_dim, is_bf16);
+            LOAD_CACHE_ROW(row, v_head + (size_t)slots[t] * row_bytes, head_dim, format);
             for (int64_t j = 0; j < count; j++) {
                 const float p = scores[j * width + t];
                 float *aj = acc + j * head_dim;
@@ -365,9 +429,9 @@ static inline __attribute__((always_inline)) int attend_one(
                       const int64_t *blocks, const float *bias, void *out, int64_t seq,
                       int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t num_blocks,
                       int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
-                      int is_bf16, int io_bf16) {
+                      int format, int io_bf16) {
     return attend_rows(q, key_cache, value_cache, blocks, bias, out, seq, 1, kv_head, heads,
-                       kv_heads, num_blocks, block_size, head_dim, table_width, scale, is_bf16,
+                       kv_heads, num_blocks, block_size, head_dim, table_width, scale, format,
                        io_bf16);
 }
 

@@ -1,0 +1,77 @@
+"""How the paged KV cache stores a row (one token's K or V for one KV head).
+
+`auto` keeps rows in the model's dtype. `int8` keeps each row as head_dim int8 codes
+followed by its float32 scale (the row's largest magnitude over 127), head_dim + 4 bytes
+instead of 2 * head_dim: about twice the tokens in the same memory, and half the bytes a
+decode step reads. The layout is llama.cpp's q8_0 cost exactly (a 4-byte scale per 64
+values is its 2-byte scale per 32), with a scale per token and head as vLLM's dynamic int8
+cache has, so a row depends on its own values only: a quantized cache keeps a request's
+answer independent of what shares its steps.
+
+The cache tensor of an int8 cache is torch.int8 with a last dimension of head_dim + 4; every
+place that moves whole blocks (copy-on-write forks, zeroing) needs no change. The native
+step quantizes as it writes and widens inside its attention kernels
+(csrc/paged_attention.h's CACHE_INT8); the PyTorch layers write through `quantize_rows` and
+read through `dequantize_rows`, with the same codes and scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forklift.config import validate_kv_cache_dtype
+
+# The float32 scale's bytes after an int8 row's codes.
+SCALE_BYTES = 4
+INT8_MAX = 127.0
+
+
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """A resolved cache dtype: what the cache tensor holds per row."""
+
+    name: str  # "int8", or the model dtype's name for "auto"
+    storage: torch.dtype  # the cache tensor's dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.storage == torch.int8
+
+    def row_elements(self, head_dim: int) -> int:
+        """The cache tensor's last dimension."""
+        return head_dim + SCALE_BYTES if self.quantized else head_dim
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_elements(head_dim) * torch.empty((), dtype=self.storage).element_size()
+
+
+def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat:
+    validate_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return KVCacheFormat("int8", torch.int8)
+    return KVCacheFormat(str(model_dtype).removeprefix("torch."), model_dtype)
+
+
+def is_quantized_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D] floats -> [..., D + 4] int8: codes round(x * 127 / max|x|) (ties to even), then
+    the float32 scale max|x| / 127 as bytes (csrc/paged_attention.h's quantize_cache_row)."""
+    x = rows.float()
+    largest = x.abs().amax(dim=-1, keepdim=True)
+    scale = largest / INT8_MAX
+    inverse = torch.where(largest > 0, INT8_MAX / largest, torch.zeros_like(largest))
+    codes = torch.round(x * inverse).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 4] int8 rows -> [..., D] values (code * scale) in `dtype`."""
+    head_dim = packed.shape[-1] - SCALE_BYTES
+    codes = packed[..., :head_dim]
+    scale = packed[..., head_dim:].contiguous().view(torch.float32)
+    return (codes.float() * scale).to(dtype)
