@@ -56,6 +56,17 @@ def test_kv_calc_prints_the_seed_example(capsys):
     assert "512.00 MiB" in out
 
 
+def test_kv_calc_counts_an_int8_caches_rows(capsys):
+    """int8 rows: one byte a value plus a 4-byte scale, (256 + 4) / 512 of bf16's bytes."""
+    args = ["kv-calc", *SEED_SHAPE, "--tokens", "8192", "--kv-cache-dtype", "int8",
+            "--budget-gib", "1"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 x 16 x 4 x (256 + 4) x 8192 x 1" in out
+    assert f"{2 * 16 * 4 * 260 * 8192}" in out
+    assert f"tokens: {2**30 // (2 * 16 * 4 * 260 * 16) * 16:,}" in out
+
+
 def test_kv_calc_budget_breakdown(capsys):
     args = ["kv-calc", *SEED_SHAPE, "--budget-gib", "1", "--block-size", "16"]
     assert main(args) == 0

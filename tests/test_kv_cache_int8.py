@@ -23,6 +23,7 @@ from tiny_models import make_tiny_hybrid, make_tiny_model
 from forklift import LLM, SamplingParams
 from forklift.config import EngineConfig
 from forklift.cpu import cpu_flags
+from forklift.engine.snapshot import take_snapshot
 from forklift.model.kv_cache_dtype import dequantize_rows, kv_cache_format, quantize_rows
 from forklift.native import build as native_build
 from forklift.native.decode_attention import NativeDecodeAttention
@@ -187,7 +188,11 @@ def test_the_same_bytes_hold_about_twice_the_tokens(tiny):
     head_dim = int8.model_config.head_dim
     assert ratio == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.02)
     assert int8.runner.kv_cache_bytes <= plain.runner.kv_cache_bytes
-    assert int8.runner.kv_format.name == "int8"
+    config = take_snapshot(int8).config  # what /status shows
+    assert config["kv_cache_dtype"] == "int8" and config["kv_cache_tokens"] == (
+        int8.kv_plan.token_capacity
+    )
+    assert take_snapshot(plain).config["kv_cache_dtype"] == "bfloat16"
 
 
 @needs_compiler

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
+KV_CACHE_DTYPES = ("auto", "int8")
+# An int8 cache row's float32 scale (model/kv_cache_dtype.py).
+INT8_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,26 @@ class KVShape:
 
 
 @dataclass(frozen=True)
+class KVRow:
+    """How the cache stores one row (a token's K or V for one KV head): `dtype` values, or
+    with kv_cache_dtype "int8" one byte a value and a float32 scale."""
+
+    dtype: str
+    kv_cache_dtype: str = "auto"
+
+    def bytes(self, head_dim: int) -> int:
+        if self.kv_cache_dtype == "int8":
+            return head_dim + INT8_SCALE_BYTES
+        return head_dim * dtype_bytes(self.dtype)
+
+    def formula(self, head_dim: int, num_tokens: int) -> str:
+        """head dim x tokens x bytes per element, the scale's bytes added to an int8 row."""
+        if self.kv_cache_dtype == "int8":
+            return f"({head_dim} + {INT8_SCALE_BYTES}) x {num_tokens} x 1 (int8, scale float32)"
+        return f"{head_dim} x {num_tokens} x {dtype_bytes(self.dtype)} ({self.dtype})"
+
+
+@dataclass(frozen=True)
 class WindowedGroups:
     """A model whose sliding-window layers have KV groups of their own (model/kv_layout.py):
     one window per group (None: a full-attention group) of `layers_per_group` layers each."""
@@ -35,16 +58,14 @@ class WindowedGroups:
     def blocks_per_sequence(self, num_tokens: int, block_size: int, chunk: int) -> int:
         return blocks_per_sequence(num_tokens, self.windows, block_size, chunk)
 
-    def block_bytes(self, shape: KVShape, dtype: str, block_size: int) -> int:
-        element = dtype_bytes(dtype)
-        per_token = 2 * self.layers_per_group * shape.num_kv_heads * shape.head_dim * element
+    def block_bytes(self, shape: KVShape, row: KVRow, block_size: int) -> int:
+        per_token = 2 * self.layers_per_group * shape.num_kv_heads * row.bytes(shape.head_dim)
         return per_token * block_size
 
-    def lines(self, shape: KVShape, num_tokens: int, dtype: str, block_size: int,
+    def lines(self, shape: KVShape, num_tokens: int, row: KVRow, block_size: int,
               chunk: int) -> list[str]:  # fmt: skip
-        block = self.block_bytes(shape, dtype, block_size)
-        full = kv_cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_tokens,
-                              dtype_bytes(dtype))  # fmt: skip
+        block = self.block_bytes(shape, row, block_size)
+        full = num_tokens * kv_bytes_per_token(shape, row)
         window = next(w for w in self.windows if w is not None)
         full_groups = self.windows.count(None)
         lines = [
@@ -160,20 +181,22 @@ def budget_breakdown(
     )
 
 
+def kv_bytes_per_token(shape: KVShape, row: KVRow) -> int:
+    return 2 * shape.num_layers * shape.num_kv_heads * row.bytes(shape.head_dim)
+
+
 def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:,.0f} bytes = {num_bytes / 2**20:,.2f} MiB = {num_bytes / 2**30:,.2f} GiB"
 
 
-def formula_lines(shape: KVShape, num_tokens: int, dtype: str) -> list[str]:
-    element = dtype_bytes(dtype)
-    total = kv_cache_bytes(
-        shape.num_layers, shape.num_kv_heads, shape.head_dim, num_tokens, element
-    )
-    per_token = total // num_tokens
+def formula_lines(shape: KVShape, num_tokens: int, row: KVRow) -> list[str]:
+    require_positive("num_tokens", num_tokens)
+    per_token = kv_bytes_per_token(shape, row)
+    total = per_token * num_tokens
     return [
         "KV cache = 2 (K and V) x layers x KV heads x head dim x tokens x bytes per element",
-        f"         = 2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
-        f"{num_tokens} x {element} ({dtype})",
+        f"         = 2 x {shape.num_layers} x {shape.num_kv_heads} x "
+        f"{row.formula(shape.head_dim, num_tokens)}",
         f"         = {total} bytes",
         f"         = {format_bytes(total)}",
         f"per token: {per_token:,} bytes",
@@ -203,6 +226,10 @@ def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
     calc.add_argument("--head-dim", type=int, default=None, help="overrides the model's")
     calc.add_argument("--tokens", type=int, default=8192, help="context length")
     calc.add_argument("--dtype", default="bfloat16", choices=[n for n, _ in DTYPE_BYTES])
+    calc.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        help="the engine's kv_cache_dtype: auto (rows in --dtype) or int8",
+    )  # fmt: skip
     budget = calc.add_mutually_exclusive_group()
     budget.add_argument("--budget-gib", type=float, default=None)
     budget.add_argument("--budget-bytes", type=int, default=None)
@@ -220,26 +247,25 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
     _check_args(args)
     shape, state, windowed, source = _shape_from_args(args)
     print(source)
-    for line in formula_lines(shape, args.tokens, args.dtype):
+    row = KVRow(args.dtype, args.kv_cache_dtype)
+    for line in formula_lines(shape, args.tokens, row):
         print(line)
     if windowed is not None:
-        for line in windowed.lines(shape, args.tokens, args.dtype, args.block_size, args.chunk):
+        for line in windowed.lines(shape, args.tokens, row, args.block_size, args.chunk):
             print(line)
     if state is not None:
         for line in state.lines(args.dtype):
             print(line)
     budget = _budget_bytes(args)
     if budget is not None:
-        per_token = kv_cache_bytes(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, dtype_bytes(args.dtype)
-        )
+        per_token = kv_bytes_per_token(shape, row)
         request_len = args.request_len if args.request_len is not None else args.tokens
         breakdown = budget_breakdown(budget, per_token, args.block_size, request_len)
         for line in breakdown_lines(breakdown):
             print(line)
         if windowed is not None:
             held = windowed.blocks_per_sequence(request_len, args.block_size, 1)
-            per_block = windowed.block_bytes(shape, args.dtype, args.block_size)
+            per_block = windowed.block_bytes(shape, row, args.block_size)
             print(
                 f"  with the windowed groups: {budget // (held * per_block):,} decoding "
                 f"requests at once ({held:,} blocks of {per_block:,} bytes each)"

@@ -404,12 +404,12 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
         )
         logger.info(
-            "KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB; %s); max concurrency "
+            "KV cache: %d blocks x %d tokens = %d tokens in %s (%.1f MiB; %s); max concurrency "
             "at max_model_len=%d: %.2fx",
-            self.runner.kv_format.name,
             plan.num_blocks - 1,
             plan.block_size,
             plan.token_capacity,
+            self.runner.kv_format.name,
             plan.num_blocks * plan.bytes_per_block / 2**20,
             plan.source,
             self.max_model_len,
