@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from forklift.model.kv_cache_dtype import dequantize_rows, is_quantized_cache
+from forklift.model.kv_cache_dtype import (
+    dequantize_rows,
+    hadamard_rotate,
+    is_quantized_cache,
+    rotation_applies,
+)
 from forklift.native.decode_attention import NativeDecodeAttention
 
 logger = logging.getLogger("forklift")
@@ -135,7 +140,14 @@ class DecodeAttention:
     ) -> torch.Tensor:
         native = self.native
         if native is not None and native.supports(q, key_cache):
-            return native(q, key_cache, value_cache, kv_blocks, bias, scale)
+            seqs, heads, head_dim = q.shape
+            if not (is_quantized_cache(key_cache) and rotation_applies(head_dim)):
+                return native(q, key_cache, value_cache, kv_blocks, bias, scale)
+            # The kernel reads the stored rows, rotated: so are the queries, and the attended
+            # values are rotated back (model/kv_cache_dtype.py).
+            rotated_q = hadamard_rotate(q).to(q.dtype)
+            out = native(rotated_q, key_cache, value_cache, kv_blocks, bias, scale)
+            return hadamard_rotate(out.view(seqs, heads, head_dim)).to(q.dtype).view(seqs, -1)
         quantized = is_quantized_cache(key_cache)  # the in-place kernel reads raw rows
         if not self.in_place or q.shape[0] < IN_PLACE_MIN_SEQS or quantized:
             return gathered_decode_attention(q, key_cache, value_cache, kv_blocks, bias, scale)

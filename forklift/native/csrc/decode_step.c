@@ -449,6 +449,10 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                 if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, offset, head);
                 rotate(head, cos, sin, m->rotary_dim);
             }
+            /* An int8 cache holds K and V rotated; queries are rotated alike. */
+            if (cache_rotates(format, head_dim))
+                for (int64_t h = 0; h < m->heads + 2 * m->kv_heads; h++)
+                    hadamard_rotate(row + h * head_dim, head_dim);
             /* The new K and V into their cache slot, head by head. */
             for (int64_t h = 0; h < m->kv_heads; h++) {
                 const float *k = row + q_size + h * head_dim;
@@ -472,6 +476,12 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         /* attended holds the queries; attention reads them and writes into qkv's room. */
         float *context = qkv;
         TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
+        if (cache_rotates(format, head_dim)) { /* the attended values back from the rotation */
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t h = 0; h < m->heads; h++)
+                    hadamard_rotate(context + (r * m->heads + h) * head_dim, head_dim);
+        }
         TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora,

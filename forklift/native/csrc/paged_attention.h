@@ -67,6 +67,27 @@ static inline float int8_row_scale(const char *row, int64_t head_dim) {
     return scale;
 }
 
+/* An int8 cache stores rows of a power-of-two size rotated (model/kv_cache_dtype.py): the
+ * normalised Hadamard transform spreads a few large channels over all of them, so the one
+ * scale of a row loses less. Queries are rotated alike and the attended rows rotated back
+ * (the transform is orthonormal and its own inverse). */
+static inline int cache_rotates(int format, int64_t head_dim) {
+    return format == CACHE_INT8 && head_dim >= 2 && (head_dim & (head_dim - 1)) == 0;
+}
+
+/* x <- x H / sqrt(n) in place (Sylvester's H: butterflies at distances 1, 2, 4, ...). */
+static inline void hadamard_rotate(float *x, int64_t n) {
+    for (int64_t span = 1; span < n; span *= 2)
+        for (int64_t i = 0; i < n; i += 2 * span)
+            for (int64_t j = i; j < i + span; j++) {
+                const float a = x[j], b = x[j + span];
+                x[j] = a + b;
+                x[j + span] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int64_t i = 0; i < n; i++) x[i] *= norm;
+}
+
 /* One row of n values into the cache's int8 form: codes round(x * 127 / max|x|) (nearest,
  * ties to even), then the scale max|x| / 127. A row depends on its own values only. */
 static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
