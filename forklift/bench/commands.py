@@ -257,7 +257,7 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
         "--forms",
         default=None,
         help="comma-separated: fp32, bf16, int8, int4 (native step), int4-avx2, int4-torch, "
-        "int4-captured, int4-torch-attention",
+        "int4-captured, int4-torch-attention, int4-kv8 and int4-avx2-kv8 (an int8 KV cache)",
     )
     parser.add_argument("--batch-sizes", default=None, help="comma-separated")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per request")

@@ -57,6 +57,7 @@ class WeightForm:
     # "avx2": the engine built as on an AVX2-only CPU (FORKLIFT_CPU_KIND): fp32 model,
     # native kernels compiled for x86-64-v3. The machine's memory and clocks stay its own.
     cpu_kind: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 WEIGHT_FORMS = {
@@ -66,6 +67,11 @@ WEIGHT_FORMS = {
     # A Q4 GGUF at its own precision; the native decode step where it builds.
     "int4": WeightForm("int4", "bfloat16", "auto"),
     "int4-avx2": WeightForm("int4-avx2", "auto", "auto", cpu_kind="avx2"),
+    # The same with an int8 KV cache (kv_cache_dtype="int8").
+    "int4-kv8": WeightForm("int4-kv8", "bfloat16", "auto", kv_cache_dtype="int8"),
+    "int4-avx2-kv8": WeightForm(
+        "int4-avx2-kv8", "auto", "auto", cpu_kind="avx2", kv_cache_dtype="int8"
+    ),
     # PyTorch's int4 / int8 kernels and layers (native decode attention).
     "int4-torch": WeightForm("int4-torch", "bfloat16", "auto", decode_backend="torch"),
     "int4-captured": WeightForm(
@@ -197,6 +203,7 @@ def _build_llm(settings: DecodeSettings, form: WeightForm, longest: int, budget:
         enforce_eager=form.enforce_eager,
         decode_capture_sizes=settings.batch_sizes,
         decode_backend=form.decode_backend,
+        kv_cache_dtype=form.kv_cache_dtype,
     )
 
 
