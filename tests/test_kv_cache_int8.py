@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_spec_decode_engine import with_oracle
 from tiny_models import make_tiny_hybrid, make_tiny_model
 
 from forklift import LLM, SamplingParams
@@ -272,6 +273,21 @@ def test_same_tokens_under_preemption_and_for_each_of_n_samples(tiny):
                                        use_tqdm=False)[0].outputs  # fmt: skip
     single = _result(_tiny_engine(tiny), _prompt(14), GREEDY)[0]
     assert all(o.token_ids == single for o in outs)
+
+
+@needs_compiler
+def test_speculative_verification_rows_read_the_cache_as_decode_rows_do(tiny):
+    """Drafts (an oracle's: right and wrong ones) verified several rows a step over int8
+    rows: the same tokens and logprobs as decoding one token a step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}
+    prompt = _prompt(30)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = _result(_tiny_engine(tiny), prompt, params)
+    llm = _tiny_engine(tiny, speculative_config=spec)
+    with_oracle(llm, [prompt + list(plain[0])])
+    assert _result(llm, prompt, params) == plain
+    stats = llm.llm_engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @needs_compiler
