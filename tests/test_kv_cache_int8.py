@@ -15,6 +15,8 @@ token and KV head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,8 +106,16 @@ TARGETS = {
 }
 
 
+@dataclass(frozen=True)
+class Target:
+    kernel: NativeDecodeAttention
+    # Scores from bf16 dot products (AVX512_BF16 compiled in): the queries are rounded to
+    # bf16 (the int8 codes are exact in bf16), so fp32 queries match to bf16's precision.
+    rounds_queries: bool
+
+
 @pytest.fixture(scope="module", params=list(TARGETS))
-def kernel(request) -> NativeDecodeAttention:
+def target(request) -> Target:
     arch, needs = TARGETS[request.param]
     if native_build.find_compiler() is None:
         pytest.skip("no C compiler on this machine")
@@ -113,7 +123,8 @@ def kernel(request) -> NativeDecodeAttention:
         pytest.skip(f"this CPU cannot run the {request.param} build")
     library = native_build.load_native_library("decode_attention", arch)
     assert library is not None, "a C compiler is here, yet the kernel did not build or load"
-    return NativeDecodeAttention(library)
+    native_bf16 = arch is None and "avx512_bf16" in cpu_flags()
+    return Target(NativeDecodeAttention(library), native_bf16)
 
 
 def _int8_case(seqs, kv_heads, group, head_dim, lengths, block_size=4, window=None, seed=0):
@@ -160,25 +171,28 @@ def _widened_reference(q, key_cache, value_cache, blocks, valid, scale):
     [(3, 2, 3, 64), (2, 1, 5, 64), (2, 2, 2, 128), (1, 1, 3, 256), (3, 1, 4, 48), (2, 2, 1, 72)],
 )
 def test_kernels_on_an_int8_cache_match_attention_over_the_widened_rows(
-    kernel, dtype, seqs, kv_heads, group, head_dim
+    target, dtype, seqs, kv_heads, group, head_dim
 ):
     lengths = [5 + 11 * i for i in range(seqs)]
     q, k, v, blocks, bias, valid = _int8_case(seqs, kv_heads, group, head_dim, lengths)
     q = q.to(dtype)
     scale = head_dim**-0.5
-    got = kernel(q, k, v, blocks, bias, scale)
+    got = target.kernel(q, k, v, blocks, bias, scale)
     assert got.dtype == dtype and got.shape == (seqs, kv_heads * group * head_dim)
     want = _widened_reference(q, k, v, blocks, valid, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tiled = head_dim in (64, 128, 256)
+    exact = dtype == torch.float32 and not (target.rounds_queries and tiled)
+    tol = 1e-5 if exact else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def test_int8_kernels_mask_a_window_and_merge_long_contexts(kernel):
+def test_int8_kernels_mask_a_window_and_merge_long_contexts(target):
     q, k, v, blocks, bias, valid = _int8_case(3, 2, 2, 64, [2500, 700, 1030], 16, window=600)
     assert (~valid[:, 0]).all(), "the window should mask the start of every context"
-    got = kernel(q, k, v, blocks, bias, 0.125)
+    got = target.kernel(q, k, v, blocks, bias, 0.125)
     want = _widened_reference(q, k, v, blocks, valid, 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    tol = 5e-3 if target.rounds_queries else 1e-4
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @needs_compiler
@@ -190,7 +204,8 @@ def test_the_layers_kernel_rotates_queries_and_outputs_for_a_rotated_cache():
     q, k, v, blocks, bias, _ = _int8_case(3, 2, 3, 64, [9, 30, 17])
     got = DecodeAttention(torch.device("cpu"), native)(q, k, v, blocks, bias, 0.125)
     want = gathered_decode_attention(q, k, v, blocks, bias, 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    tol = 1e-2 if "avx512_bf16" in cpu_flags() else 1e-4  # bf16 dot products: see Target
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 # ---- the engine ---------------------------------------------------------------------------

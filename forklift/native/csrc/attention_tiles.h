@@ -82,17 +82,19 @@ static inline float16_vector sum16(const float16_vector a[16]) {
 }
 
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
- * position t0 + p): scale and the vector's bias applied (positions at or past `end` get
- * -inf), stored whole at `dst`, the maxima kept lane by lane. */
+ * position t0 + p): each position's row scale (row_scales: an int8 tile's; NULL: none),
+ * scale and the vector's bias applied (positions at or past `end` get -inf), stored whole
+ * at `dst`, the maxima kept lane by lane. */
 static inline __attribute__((always_inline)) void finish_scores(
     const float16_vector acc[16], const float *bias_row, int64_t t0, int64_t end, float scale,
-    float *dst, float16_vector *max_lanes) {
+    float *dst, float16_vector *max_lanes, const float16_vector *row_scales) {
     float16_vector bias;
     if (t0 + 16 <= end)
         bias = *(const float16_unaligned *)(bias_row + t0);
     else
         for (int p = 0; p < 16; p++) bias[p] = t0 + p < end ? bias_row[t0 + p] : -INFINITY;
-    const float16_vector s = sum16(acc) * scale + bias;
+    const float16_vector dots = row_scales != NULL ? sum16(acc) * *row_scales : sum16(acc);
+    const float16_vector s = dots * scale + bias;
     *(float16_unaligned *)dst = s;
     const int16_vector higher = s > *max_lanes;
     *max_lanes = (float16_vector)(((int16_vector)s & higher) | ((int16_vector)*max_lanes & ~higher));
@@ -102,12 +104,14 @@ static inline __attribute__((always_inline)) void finish_scores(
 /* Every query vector's scores at one tile (positions t0 .. t0 + 15) straight from the bf16
  * key rows: vdpbf16ps multiplies two dimensions a lane against the query rounded to bf16
  * (as PyTorch's bf16 layers hold it; the native step's fp32 queries take that rounding
- * here), so no key row is widened. */
+ * here), so no key row is widened. An int8 tile's rows come as their codes in bf16 (exact)
+ * with `row_scales` applied to the dot products (NULL for a bf16 cache). */
 #define SCORE_FROM_BF16 1
 static inline __attribute__((always_inline)) void score_tile(
     const uint16_t *queries, int64_t count, const uint16_t *const *rows,
     const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
-    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes) {
+    float *scores, int64_t stride, int64_t column, float16_vector *max_lanes,
+    const float16_vector *row_scales) {
     const int64_t pairs = head_dim / 32;
     for (int64_t j = 0; j < count; j++) {
         __m512bh q[8];
@@ -122,7 +126,21 @@ static inline __attribute__((always_inline)) void score_tile(
             acc[p] = (float16_vector)a;
         }
         finish_scores(acc, query_bias[j], t0, end, scale, scores + j * stride + column,
-                      &max_lanes[j]);
+                      &max_lanes[j], row_scales);
+    }
+}
+
+/* An int8 tile's sixteen rows of codes as bf16 (exact: |code| <= 127) into `codes`
+ * [16, head_dim] and their scales into `row_scales`, for score_tile. */
+static inline __attribute__((always_inline)) void int8_tile_as_bf16(
+    const char *const *rows, int64_t head_dim, uint16_t *codes, float16_vector *row_scales) {
+    for (int p = 0; p < 16; p++) {
+        const int8_t *row = (const int8_t *)rows[p];
+        (*row_scales)[p] = int8_row_scale(rows[p], head_dim);
+        for (int64_t c = 0; c < head_dim; c += 32) {
+            const __m512 low = (__m512)widen_int8(row + c), high = (__m512)widen_int8(row + c + 16);
+            _mm512_storeu_si512(codes + p * head_dim + c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
     }
 }
 #endif
@@ -156,7 +174,7 @@ static inline __attribute__((always_inline)) void score_tile_widened(
             for (int64_t c = 1; c < chunks; c++) acc[p] += q[c] * k[c];
         }
         finish_scores(acc, query_bias[j], t0, end, scale, scores + j * stride + column,
-                      &max_lanes[j]);
+                      &max_lanes[j], NULL);
     }
 }
 
@@ -303,9 +321,19 @@ static inline __attribute__((always_inline)) int attend_range(
 #if defined(SCORE_FROM_BF16)
         if (format == CACHE_BF16) {
             score_tile(queries_bf16, count, (const uint16_t *const *)rows, query_bias,
-                       base + 16 * i, to, scale, head_dim, scores, span, 16 * i, max_lanes);
+                       base + 16 * i, to, scale, head_dim, scores, span, 16 * i, max_lanes,
+                       NULL);
             continue;
         }
+        /* int8: the tile's codes as bf16 in `keys`' room (half of it), scales per row. */
+        float16_vector row_scales;
+        uint16_t *codes = (uint16_t *)keys;
+        int8_tile_as_bf16(rows, head_dim, codes, &row_scales);
+        const uint16_t *code_rows[16];
+        for (int p = 0; p < 16; p++) code_rows[p] = codes + p * head_dim;
+        score_tile(queries_bf16, count, code_rows, query_bias, base + 16 * i, to, scale,
+                   head_dim, scores, span, 16 * i, max_lanes, &row_scales);
+        continue;
 #endif
         score_tile_widened(queries, count, rows, keys, query_bias, base + 16 * i, to, scale,
                            head_dim, scores, span, 16 * i, max_lanes, format);

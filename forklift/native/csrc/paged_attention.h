@@ -50,78 +50,6 @@ static inline float16_vector widen_bf16(const uint16_t *src) {
     return (float16_vector)bits;
 }
 
-/* How the KV cache holds one row of head_dim values: fp32, bf16, or int8 codes followed by
- * their fp32 scale (value = code * scale, one scale per token and KV head: the row's
- * largest magnitude over 127), head_dim + 4 bytes a row. */
-enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2 };
-
-static inline size_t cache_row_bytes(int format, int64_t head_dim) {
-    return format == CACHE_INT8 ? (size_t)head_dim + sizeof(float)
-                                : (size_t)head_dim * (format == CACHE_BF16 ? 2 : 4);
-}
-
-/* An int8 row's scale (the row is not 4-byte aligned at every head size). */
-static inline float int8_row_scale(const char *row, int64_t head_dim) {
-    float scale;
-    memcpy(&scale, row + head_dim, sizeof scale);
-    return scale;
-}
-
-/* An int8 cache stores rows of a power-of-two size rotated (model/kv_cache_dtype.py): the
- * normalised Hadamard transform spreads a few large channels over all of them, so the one
- * scale of a row loses less. Queries are rotated alike and the attended rows rotated back
- * (the transform is orthonormal and its own inverse). */
-static inline int cache_rotates(int format, int64_t head_dim) {
-    return format == CACHE_INT8 && head_dim >= 2 && (head_dim & (head_dim - 1)) == 0;
-}
-
-/* x <- x H / sqrt(n) in place (Sylvester's H: butterflies at distances 1, 2, 4, ...). */
-static inline void hadamard_rotate(float *x, int64_t n) {
-    for (int64_t span = 1; span < n; span *= 2)
-        for (int64_t i = 0; i < n; i += 2 * span)
-            for (int64_t j = i; j < i + span; j++) {
-                const float a = x[j], b = x[j + span];
-                x[j] = a + b;
-                x[j + span] = a - b;
-            }
-    const float norm = 1.0f / sqrtf((float)n);
-    for (int64_t i = 0; i < n; i++) x[i] *= norm;
-}
-
-/* One row of n values into the cache's int8 form: codes round(x * 127 / max|x|) (nearest,
- * ties to even), then the scale max|x| / 127. A row depends on its own values only. */
-static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
-    float largest = 0.0f;
-    for (int64_t i = 0; i < n; i++) largest = fmaxf(largest, fabsf(x[i]));
-    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-    int8_t *codes = (int8_t *)dst;
-    for (int64_t i = 0; i < n; i++) codes[i] = (int8_t)nearbyintf(x[i] * inverse);
-    memcpy(dst + n, &scale, sizeof scale);
-}
-
-typedef int8_t int8_16_vector __attribute__((vector_size(16)));
-
-/* Sixteen int8 codes widened to fp32: a sign extension and a conversion per register
- * (GCC lowers the generic vector conversion to sixteen scalar extensions: 2.5x slower). */
-static inline float16_vector widen_int8(const int8_t *src) {
-#if defined(__AVX512F__)
-    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
-    return (float16_vector)_mm512_cvtepi32_ps(wide);
-#elif defined(__AVX2__)
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-    const __m256 high =
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
-    float16_vector out;
-    memcpy(&out, &low, sizeof low);
-    memcpy((char *)&out + sizeof low, &high, sizeof high);
-    return out;
-#else
-    int8_16_vector raw;
-    memcpy(&raw, src, sizeof raw);
-    return __builtin_convertvector(raw, float16_vector);
-#endif
-}
-
 /* Element-wise work (exp, sigmoid) runs on vectors of one register: sixteen lanes with
  * AVX-512, eight below it, where GCC lowers 16-lane arithmetic through the stack (measured
  * 5x slower on AVX2). */
@@ -154,6 +82,153 @@ static inline lane_vector exp_nonpositive_lanes(lane_vector x) {
     p = p * r * r + r + 1.0f;
     const lane_int_vector scale = (__builtin_convertvector(n, lane_int_vector) + 127) << 23;
     return (lane_vector)((lane_int_vector)(p * (lane_vector)scale) & finite);
+}
+
+/* How the KV cache holds one row of head_dim values: fp32, bf16, or int8 codes followed by
+ * their fp32 scale (value = code * scale, one scale per token and KV head: the row's
+ * largest magnitude over 127), head_dim + 4 bytes a row. */
+enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2 };
+
+static inline size_t cache_row_bytes(int format, int64_t head_dim) {
+    return format == CACHE_INT8 ? (size_t)head_dim + sizeof(float)
+                                : (size_t)head_dim * (format == CACHE_BF16 ? 2 : 4);
+}
+
+/* An int8 row's scale (the row is not 4-byte aligned at every head size). */
+static inline float int8_row_scale(const char *row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
+}
+
+/* An int8 cache stores rows of a power-of-two size rotated (model/kv_cache_dtype.py): the
+ * normalised Hadamard transform spreads a few large channels over all of them, so the one
+ * scale of a row loses less. Queries are rotated alike and the attended rows rotated back
+ * (the transform is orthonormal and its own inverse). */
+static inline int cache_rotates(int format, int64_t head_dim) {
+    return format == CACHE_INT8 && head_dim >= 2 && (head_dim & (head_dim - 1)) == 0;
+}
+
+#if defined(__clang__)
+#define LANE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define LANE_SHUFFLE(v, ...) __builtin_shuffle(v, (lane_int_vector){__VA_ARGS__})
+#endif
+
+/* One butterfly level inside a vector: lane l pairs with lane l ^ span; the lower lane
+ * keeps a + b, the upper a - b (partner + sign * own: the same sums as one by one). */
+static inline lane_vector lane_butterfly(lane_vector v, lane_vector partner, int span) {
+    lane_vector sign;
+    for (int l = 0; l < LANES; l++) sign[l] = l & span ? -1.0f : 1.0f;
+    return partner + sign * v;
+}
+
+/* x <- x H / sqrt(n) in place (Sylvester's H: butterflies at distances 1, 2, 4, ...): the
+ * distances inside a vector by lane shuffles, the longer ones vector by vector (a row
+ * rotated one value at a time cost a tenth of a 2,048-token prefill). */
+static inline void hadamard_rotate(float *x, int64_t n) {
+    int64_t span = 1;
+    if (n % LANES == 0) {
+        for (int64_t i = 0; i < n; i += LANES) {
+            lane_vector v;
+            memcpy(&v, x + i, sizeof v);
+#if LANES == 16
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14), 1);
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), 2);
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11), 4);
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), 8);
+#else
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6), 1);
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5), 2);
+            v = lane_butterfly(v, LANE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3), 4);
+#endif
+            memcpy(x + i, &v, sizeof v);
+        }
+        for (span = LANES; span < n; span *= 2)
+            for (int64_t i = 0; i < n; i += 2 * span)
+                for (int64_t j = i; j < i + span; j += LANES) {
+                    lane_vector a, b;
+                    memcpy(&a, x + j, sizeof a);
+                    memcpy(&b, x + j + span, sizeof b);
+                    const lane_vector sum = a + b, difference = a - b;
+                    memcpy(x + j, &sum, sizeof sum);
+                    memcpy(x + j + span, &difference, sizeof difference);
+                }
+    }
+    for (; span < n; span *= 2) /* rows of fewer values than a vector */
+        for (int64_t i = 0; i < n; i += 2 * span)
+            for (int64_t j = i; j < i + span; j++) {
+                const float a = x[j], b = x[j + span];
+                x[j] = a + b;
+                x[j + span] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int64_t i = 0; i < n; i++) x[i] *= norm;
+}
+
+/* One row of n values into the cache's int8 form: codes round(x * 127 / max|x|) (nearest,
+ * ties to even), then the scale max|x| / 127. A row depends on its own values only. Whole
+ * vectors where n allows (rounded by the 1.5 * 2^23 trick: nearbyintf's result for these
+ * magnitudes), one value at a time otherwise. Not contracted: x * inverse is rounded to
+ * fp32 before it is rounded to an integer, as model/kv_cache_dtype.py rounds it. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
+    float largest = 0.0f;
+    const int vectors = n % LANES == 0;
+    if (vectors) {
+        lane_int_vector most = {0}; /* magnitudes' bits: ordered as the floats are */
+        for (int64_t i = 0; i < n; i += LANES) {
+            lane_int_vector bits;
+            memcpy(&bits, x + i, sizeof bits);
+            bits &= 0x7fffffff;
+            const lane_int_vector higher = bits > most;
+            most = (bits & higher) | (most & ~higher);
+        }
+        for (int l = 0; l < LANES; l++) largest = fmaxf(largest, ((lane_vector)most)[l]);
+    } else {
+        for (int64_t i = 0; i < n; i++) largest = fmaxf(largest, fabsf(x[i]));
+    }
+    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    int8_t *codes = (int8_t *)dst;
+    if (vectors) {
+        const float magic = 12582912.0f;
+        for (int64_t i = 0; i < n; i += LANES) {
+            lane_vector v;
+            memcpy(&v, x + i, sizeof v);
+            const lane_vector scaled = v * inverse; /* its own statement: clang fuses within one */
+            const lane_int_vector rounded =
+                __builtin_convertvector((scaled + magic) - magic, lane_int_vector);
+            for (int l = 0; l < LANES; l++) codes[i + l] = (int8_t)rounded[l];
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) codes[i] = (int8_t)nearbyintf(x[i] * inverse);
+    }
+    memcpy(dst + n, &scale, sizeof scale);
+}
+
+typedef int8_t int8_16_vector __attribute__((vector_size(16)));
+
+/* Sixteen int8 codes widened to fp32: a sign extension and a conversion per register
+ * (GCC lowers the generic vector conversion to sixteen scalar extensions: 2.5x slower). */
+static inline float16_vector widen_int8(const int8_t *src) {
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
+    return (float16_vector)_mm512_cvtepi32_ps(wide);
+#elif defined(__AVX2__)
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+    const __m256 high =
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
+    float16_vector out;
+    memcpy(&out, &low, sizeof low);
+    memcpy((char *)&out + sizeof low, &high, sizeof high);
+    return out;
+#else
+    int8_16_vector raw;
+    memcpy(&raw, src, sizeof raw);
+    return __builtin_convertvector(raw, float16_vector);
+#endif
 }
 
 /* The dot product of two rows of n floats, eight lanes at a time in two accumulators
