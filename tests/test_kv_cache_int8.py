@@ -341,6 +341,19 @@ def test_the_native_step_and_the_pytorch_layers_read_the_cache_alike(tiny):
         assert a.logprobs[0][first].logprob == pytest.approx(b.logprobs[0][first].logprob, abs=0.1)
 
 
+@needs_compiler
+def test_sleep_and_wake_bring_an_int8_cache_back(tiny):
+    """Level 1 frees the cache, level 2 the weights too; waking allocates int8 rows again
+    and the next request's tokens are the first one's."""
+    llm = _tiny_engine(tiny)
+    before = _result(llm, _prompt(20), GREEDY)
+    for level in (1, 2):
+        llm.sleep(level)
+        llm.wake_up()
+        assert llm.llm_engine.runner.kv_format.quantized
+        assert _result(llm, _prompt(20), GREEDY) == before, f"after sleep level {level}"
+
+
 def test_the_hybrid_family_runs_on_an_int8_cache(tmp_path):
     """Its attention layers (PyTorch) write and read int8 rows; chunked prefill alike."""
     make_tiny_hybrid("interval", tmp_path)
