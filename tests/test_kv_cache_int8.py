@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_batch_invariance import _prompt, _result
+from test_native_decode_attention import TARGETS, _reference
 from test_spec_decode_engine import with_oracle
 from tiny_models import make_tiny_hybrid, make_tiny_model
 
@@ -99,12 +100,6 @@ def test_fp8_names_point_to_int8():
 
 # ---- kernels ------------------------------------------------------------------------------
 
-TARGETS = {
-    "native": (None, set()),
-    "avx512-no-bf16": (("-march=skylake-avx512",), {"avx512f", "avx512bw", "avx512vl"}),
-    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}),
-}
-
 
 @dataclass(frozen=True)
 class Target:
@@ -151,18 +146,7 @@ def _int8_case(seqs, kv_heads, group, head_dim, lengths, block_size=4, window=No
 
 def _widened_reference(q, key_cache, value_cache, blocks, valid, scale):
     """Attention over the rows as stored (the kernels never rotate: their callers do)."""
-    keys = stored_rows(key_cache)
-    values = stored_rows(value_cache)
-    kv_heads, head_dim = keys.shape[0], keys.shape[-1]
-    outs = []
-    for s in range(q.shape[0]):
-        k = keys[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]]
-        v = values[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]]
-        out = F.scaled_dot_product_attention(
-            q[s].float()[:, None], k, v, scale=scale, enable_gqa=True
-        )
-        outs.append(out.reshape(-1))
-    return torch.stack(outs)
+    return _reference(q, stored_rows(key_cache), stored_rows(value_cache), blocks, valid, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,16 +196,6 @@ def test_the_layers_kernel_rotates_queries_and_outputs_for_a_rotated_cache():
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=3)
-
-
-def _prompt(length: int, salt: int = 0) -> list[int]:
-    return [3 + (7 * i + 5 * salt) % 90 for i in range(length)]
-
-
-def _result(llm: LLM, prompt: list[int], params: SamplingParams, others=()):
-    requests = [{"prompt_token_ids": prompt}] + [{"prompt_token_ids": p} for p in others]
-    out = llm.generate(requests, params, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
