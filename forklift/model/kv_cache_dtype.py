@@ -11,7 +11,7 @@ answer independent of what shares its steps.
 Where head_dim is a power of two, a row is rotated by the normalised Hadamard transform
 before it is quantized (as llama.cpp rotates a quantized cache): the rotation spreads a
 few large channels over all of them, so one scale per row loses far less (Gemma 3 270M:
-mean KL against the bf16 cache 0.0100 without, 0.0025 with; benchmarks/kv-cache-int8.md).
+mean KL against the bf16 cache 0.0100 without, 0.0025 with; benchmarks/kv-cache-int8-quality.md).
 The transform is orthonormal and its own inverse, so attention never un-rotates a row:
 queries are rotated instead (a score is the same dot product), and the weighted sum of
 rotated values is rotated back once per output row.
