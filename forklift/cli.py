@@ -63,8 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="how the KV cache stores K/V: auto (the model's dtype) or int8 (a scale per "
-        "token and head: about twice the tokens in the same memory)",
+        help="how the KV cache stores K/V: auto (the model's dtype), int8, fp8 (fp8_e4m3) or "
+        "fp8_e5m2 (one byte a value and a scale per token and head: about twice the tokens "
+        "in the same memory; int8 the most precise)",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)

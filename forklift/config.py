@@ -15,9 +15,7 @@ if TYPE_CHECKING:
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DECODE_BACKENDS = ("auto", "native", "torch")
-KV_CACHE_DTYPES = ("auto", "int8")
-# vLLM's fp8 cache names: refused with a pointer to int8 (no fp8 kernels here yet).
-_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
@@ -66,9 +64,10 @@ class EngineConfig:
     device: str = "auto"
     # Tokens per KV-cache block.
     block_size: int = 16
-    # How the KV cache stores K/V (vLLM's name): "auto" = the model's dtype; "int8" = int8
-    # codes with a float32 scale per token and KV head (about twice the tokens in the same
-    # memory, half the bytes a decode step reads; docs/architecture.md).
+    # How the KV cache stores K/V (vLLM's names): "auto" = the model's dtype; "int8", "fp8"
+    # (= "fp8_e4m3") or "fp8_e5m2" = one-byte codes with a float32 scale per token and KV
+    # head (about twice the tokens in the same memory, half the bytes a decode step reads;
+    # int8 is the most precise of the three; docs/architecture.md).
     kv_cache_dtype: str = "auto"
     # Longest prompt + output; None = the model's context length.
     max_model_len: int | None = None
@@ -264,11 +263,6 @@ class EngineConfig:
 
 def validate_kv_cache_dtype(name: object) -> None:
     """A ValueError naming the field for anything but a supported name."""
-    if name in _FP8_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype {name!r} is not supported by forklift's kernels; use 'int8' (a "
-            "scale per token and head, the memory of an fp8 cache with per-row scales)"
-        )
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
-KV_CACHE_DTYPES = ("auto", "int8")
-# An int8 cache row's float32 scale (model/kv_cache_dtype.py).
-INT8_SCALE_BYTES = 4
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# A coded cache row's float32 scale after its one-byte codes (model/kv_cache_dtype.py).
+CODE_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,23 @@ class KVShape:
 @dataclass(frozen=True)
 class KVRow:
     """How the cache stores one row (a token's K or V for one KV head): `dtype` values, or
-    with kv_cache_dtype "int8" one byte a value and a float32 scale."""
+    with a coded kv_cache_dtype (int8, fp8) one byte a value and a float32 scale."""
 
     dtype: str
     kv_cache_dtype: str = "auto"
 
     def bytes(self, head_dim: int) -> int:
-        if self.kv_cache_dtype == "int8":
-            return head_dim + INT8_SCALE_BYTES
+        if self.kv_cache_dtype != "auto":
+            return head_dim + CODE_SCALE_BYTES
         return head_dim * dtype_bytes(self.dtype)
 
     def formula(self, head_dim: int, num_tokens: int) -> str:
         """head dim x tokens x bytes per element, the scale's bytes added to an int8 row."""
-        if self.kv_cache_dtype == "int8":
-            return f"({head_dim} + {INT8_SCALE_BYTES}) x {num_tokens} x 1 (int8, scale float32)"
+        if self.kv_cache_dtype != "auto":
+            return (
+                f"({head_dim} + {CODE_SCALE_BYTES}) x {num_tokens} x 1 ({self.kv_cache_dtype}, "
+                "scale float32)"
+            )
         return f"{head_dim} x {num_tokens} x {dtype_bytes(self.dtype)} ({self.dtype})"
 
 
@@ -228,7 +231,7 @@ def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
     calc.add_argument("--dtype", default="bfloat16", choices=[n for n, _ in DTYPE_BYTES])
     calc.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-        help="the engine's kv_cache_dtype: auto (rows in --dtype) or int8",
+        help="the engine's kv_cache_dtype: auto (rows in --dtype), int8 or fp8",
     )  # fmt: skip
     budget = calc.add_mutually_exclusive_group()
     budget.add_argument("--budget-gib", type=float, default=None)

@@ -31,21 +31,30 @@ import torch
 
 from forklift.config import validate_kv_cache_dtype
 
-# The float32 scale's bytes after an int8 row's codes.
+# The float32 scale's bytes after a row's codes.
 SCALE_BYTES = 4
-INT8_MAX = 127.0
+# Each coded cache's tensor dtype and its codes' largest magnitude (a row's scale is its
+# largest value over it). "fp8" is e4m3, as in vLLM.
+CODE_DTYPES = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 @dataclass(frozen=True)
 class KVCacheFormat:
     """A resolved cache dtype: what the cache tensor holds per row."""
 
-    name: str  # "int8", or the model dtype's name for "auto"
+    name: str  # "int8", "fp8_e4m3", "fp8_e5m2", or the model dtype's name for "auto"
     storage: torch.dtype  # the cache tensor's dtype
 
     @property
     def quantized(self) -> bool:
-        return self.storage == torch.int8
+        return self.storage in CODE_MAX
 
     def row_elements(self, head_dim: int) -> int:
         """The cache tensor's last dimension."""
@@ -57,17 +66,18 @@ class KVCacheFormat:
 
 def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat:
     validate_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
-        return KVCacheFormat("int8", torch.int8)
+    if kv_cache_dtype in CODE_DTYPES:
+        storage = CODE_DTYPES[kv_cache_dtype]
+        return KVCacheFormat(_NAMES[storage], storage)
     return KVCacheFormat(str(model_dtype).removeprefix("torch."), model_dtype)
 
 
 def is_quantized_cache(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.int8
+    return cache.dtype in CODE_MAX
 
 
 def rotation_applies(head_dim: int) -> bool:
-    """An int8 cache rotates rows of a power-of-two size (csrc/paged_attention.h agrees)."""
+    """A coded cache rotates rows of a power-of-two size (csrc/paged_attention.h agrees)."""
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
@@ -85,22 +95,26 @@ def hadamard_rotate(rows: torch.Tensor) -> torch.Tensor:
     return (x * size**-0.5).view(rows.shape)
 
 
-def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """[..., D] floats -> [..., D + 4] int8: the row rotated (where `rotation_applies`), then
-    codes round(x * 127 / max|x|) (ties to even) and the float32 scale max|x| / 127 as bytes
-    (csrc/paged_attention.h's quantize_cache_row)."""
+def quantize_rows(rows: torch.Tensor, storage: torch.dtype = torch.int8) -> torch.Tensor:
+    """[..., D] floats -> [..., D + 4] rows of `storage`: the row rotated (where
+    `rotation_applies`), then codes of x * top / max|x| (int8: rounded, ties to even; fp8:
+    converted, to nearest) and the float32 scale max|x| / top as bytes, top the codes'
+    largest magnitude (csrc/paged_attention.h's quantize_cache_row)."""
     x = rows.float()
     if rotation_applies(x.shape[-1]):
         x = hadamard_rotate(x)
+    top = CODE_MAX[storage]
     largest = x.abs().amax(dim=-1, keepdim=True)
-    scale = largest / INT8_MAX
-    inverse = torch.where(largest > 0, INT8_MAX / largest, torch.zeros_like(largest))
-    codes = torch.round(x * inverse).to(torch.int8)
-    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+    scale = largest / top
+    inverse = torch.where(largest > 0, top / largest, torch.zeros_like(largest))
+    scaled = x * inverse
+    codes = (torch.round(scaled) if storage == torch.int8 else scaled).to(storage)
+    packed = torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    return packed.view(storage)
 
 
 def stored_rows(packed: torch.Tensor) -> torch.Tensor:
-    """[..., D + 4] int8 rows -> [..., D] float32 code * scale: the rows as the kernels read
+    """[..., D + 4] coded rows -> [..., D] float32 code * scale: the rows as the kernels read
     them (still rotated)."""
     head_dim = packed.shape[-1] - SCALE_BYTES
     codes = packed[..., :head_dim]
@@ -109,7 +123,7 @@ def stored_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 4] int8 rows -> [..., D] values in `dtype`, rotated back."""
+    """[..., D + 4] coded rows -> [..., D] values in `dtype`, rotated back."""
     rows = stored_rows(packed)
     if rotation_applies(rows.shape[-1]):
         rows = hadamard_rotate(rows)

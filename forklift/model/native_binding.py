@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from forklift.model.gemma3 import Gemma3ForCausalLM
-from forklift.model.kv_cache_dtype import is_quantized_cache
 from forklift.model.layers.block_weights import BlockInt4, BlockInt8
 from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
@@ -29,8 +28,8 @@ from forklift.native.decode_step import StepLayer, StepLoRA, StepModel, StepQuan
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# csrc/paged_attention.h's CACHE_INT8: int8 rows with a scale each.
-_CACHE_INT8 = 2
+# csrc/paged_attention.h's coded formats: one-byte codes and a scale a row.
+_CODED_FORMATS = {torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 # Block weights run every step whole, at any number of rows, unless an engine keeps dense
 # copies for prefill (batch_invariant off): then decode steps of up to this many rows, twice
 # what the PyTorch layers' block kernels take (with no Python between layers the step still
@@ -195,9 +194,11 @@ class StepBinding:
         caches = zip(model.layers, layer_caches, strict=True)
         for index, (layer, (keys, values)) in enumerate(caches):
             attn, mlp = layer.self_attn, layer.mlp
-            if keys.dtype not in (dtype, torch.int8) or values.dtype != keys.dtype:
+            if (keys.dtype != dtype and keys.dtype not in _CODED_FORMATS) or (
+                values.dtype != keys.dtype
+            ):
                 raise ValueError(
-                    "the native decode step needs the KV cache in the model's dtype or int8"
+                    "the native decode step needs the KV cache in the model's dtype or coded"
                 )
             # Gemma: post_attention_layernorm norms attention's output, and the MLP's input
             # norm is pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
@@ -238,7 +239,7 @@ class StepBinding:
             weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"), embed_blocks,
-            _CACHE_INT8 if is_quantized_cache(key_cache) else _DTYPE_FLAGS[dtype],
+            _CODED_FORMATS.get(key_cache.dtype, _DTYPE_FLAGS[dtype]),
         )  # fmt: skip
 
 

@@ -17,8 +17,10 @@ import torch
 from forklift.native.build import load_native_library
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# csrc/paged_attention.h's CACHE_*: fp32 0, bf16 1, int8 rows with a scale each 2.
-_CACHE_FORMATS = {**_DTYPE_FLAGS, torch.int8: 2}
+# csrc/paged_attention.h's CACHE_*: fp32 0, bf16 1, rows of one-byte codes with a scale
+# each: int8 2, fp8 e4m3 3, fp8 e5m2 4.
+_CACHE_FORMATS = {**_DTYPE_FLAGS, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_CODED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 PROFILER_NAME = "forklift::native_decode_attention"
 
 
@@ -45,7 +47,7 @@ class NativeDecodeAttention:
         return (
             key_cache.device.type == "cpu"
             and q.dtype in _DTYPE_FLAGS
-            and key_cache.dtype in (q.dtype, torch.int8)
+            and (key_cache.dtype == q.dtype or key_cache.dtype in _CODED)
             and key_cache.is_contiguous()
         )
 

@@ -74,7 +74,10 @@ def write_kv(
     [kv_heads, num_blocks, block_size, row] (row: head_dim, or an int8 cache's codes and
     scale, quantized here)."""
     if is_quantized_cache(key_cache):
-        key, value = quantize_rows(key), quantize_rows(value)
+        # As bytes: index_copy_ has no fp8 kernel.
+        key = quantize_rows(key, key_cache.dtype).view(torch.uint8)
+        value = quantize_rows(value, value_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     kv_heads, row = key.shape[1], key.shape[2]
     key_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, key.transpose(0, 1))
     value_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, value.transpose(0, 1))

@@ -1,4 +1,4 @@
-/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 or int8 cache and
+/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 or coded cache and
  * head sizes of 64, 128 or 256: the form the decode step and the per-layer kernel run where it builds
  * (paged_attention.h's attend_rows is the fallback everywhere else).
  *
@@ -130,15 +130,17 @@ static inline __attribute__((always_inline)) void score_tile(
     }
 }
 
-/* An int8 tile's sixteen rows of codes as bf16 (exact: |code| <= 127) into `codes`
- * [16, head_dim] and their scales into `row_scales`, for score_tile. */
-static inline __attribute__((always_inline)) void int8_tile_as_bf16(
-    const char *const *rows, int64_t head_dim, uint16_t *codes, float16_vector *row_scales) {
+/* A coded tile's sixteen rows of codes as bf16 (exact: an int8 code, an fp8 value) into
+ * `codes` [16, head_dim] and their scales into `row_scales`, for score_tile. */
+static inline __attribute__((always_inline)) void coded_tile_as_bf16(
+    const char *const *rows, int64_t head_dim, uint16_t *codes, float16_vector *row_scales,
+    int format) {
     for (int p = 0; p < 16; p++) {
-        const int8_t *row = (const int8_t *)rows[p];
-        (*row_scales)[p] = int8_row_scale(rows[p], head_dim);
+        const char *row = rows[p];
+        (*row_scales)[p] = coded_row_scale(format, row, head_dim);
         for (int64_t c = 0; c < head_dim; c += 32) {
-            const __m512 low = (__m512)widen_int8(row + c), high = (__m512)widen_int8(row + c + 16);
+            const __m512 low = (__m512)widen_codes(row + c, format);
+            const __m512 high = (__m512)widen_codes(row + c + 16, format);
             _mm512_storeu_si512(codes + p * head_dim + c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
         }
     }
@@ -155,10 +157,10 @@ static inline __attribute__((always_inline)) void score_tile_widened(
     const int64_t chunks = head_dim / 16;
     for (int p = 0; p < 16; p++) {
         float16_unaligned *key = (float16_unaligned *)(keys + p * head_dim);
-        if (format == CACHE_INT8) {
-            const float row_scale = int8_row_scale(rows[p], head_dim);
+        if (cache_coded(format)) {
+            const float row_scale = coded_row_scale(format, rows[p], head_dim);
             for (int64_t c = 0; c < chunks; c++)
-                key[c] = widen_int8((const int8_t *)rows[p] + 16 * c) * row_scale;
+                key[c] = widen_codes(rows[p] + 16 * c, format) * row_scale;
         } else {
             for (int64_t c = 0; c < chunks; c++)
                 key[c] = widen16((const uint16_t *)rows[p] + 16 * c);
@@ -196,9 +198,9 @@ static inline __attribute__((always_inline)) void tile_values(
             const char *row = v_head + (size_t)slots[16 * i + p] * row_bytes;
             float16_vector v[16];
             float row_scale = 1.0f;
-            if (format == CACHE_INT8) {
-                row_scale = int8_row_scale(row, head_dim);
-                for (int64_t c = 0; c < chunks; c++) v[c] = widen_int8((const int8_t *)row + 16 * c);
+            if (cache_coded(format)) {
+                row_scale = coded_row_scale(format, row, head_dim);
+                for (int64_t c = 0; c < chunks; c++) v[c] = widen_codes(row + 16 * c, format);
             } else {
                 for (int64_t c = 0; c < chunks; c++) v[c] = widen16((const uint16_t *)row + 16 * c);
             }
@@ -325,10 +327,10 @@ static inline __attribute__((always_inline)) int attend_range(
                        NULL);
             continue;
         }
-        /* int8: the tile's codes as bf16 in `keys`' room (half of it), scales per row. */
+        /* Coded: the tile's codes as bf16 in `keys`' room (half of it), scales per row. */
         float16_vector row_scales;
         uint16_t *codes = (uint16_t *)keys;
-        int8_tile_as_bf16(rows, head_dim, codes, &row_scales);
+        coded_tile_as_bf16(rows, head_dim, codes, &row_scales, format);
         const uint16_t *code_rows[16];
         for (int p = 0; p < 16; p++) code_rows[p] = codes + p * head_dim;
         score_tile(queries_bf16, count, code_rows, query_bias, base + 16 * i, to, scale,
@@ -432,14 +434,17 @@ static inline int attend_chunk(const void *q, const void *key_cache, const void 
     attend_range(q, key_cache, value_cache, blocks, bias, out, first_row, num_rows, kv_head,  \
                  heads, kv_heads, num_blocks, block_size, size, table_width, scale, io_bf16,  \
                  from, to, parts, chunk, num_chunks, form)
-    if (format == CACHE_INT8) {
-        if (head_dim == 64) return ATTEND_CHUNK(64, CACHE_INT8);
-        if (head_dim == 128) return ATTEND_CHUNK(128, CACHE_INT8);
-        return ATTEND_CHUNK(256, CACHE_INT8);
-    }
-    if (head_dim == 64) return ATTEND_CHUNK(64, CACHE_BF16);
-    if (head_dim == 128) return ATTEND_CHUNK(128, CACHE_BF16);
-    return ATTEND_CHUNK(256, CACHE_BF16);
+#define ATTEND_SIZES(form)                                                                    \
+    do {                                                                                      \
+        if (head_dim == 64) return ATTEND_CHUNK(64, form);                                    \
+        if (head_dim == 128) return ATTEND_CHUNK(128, form);                                  \
+        return ATTEND_CHUNK(256, form);                                                       \
+    } while (0)
+    if (format == CACHE_INT8) ATTEND_SIZES(CACHE_INT8);
+    if (format == CACHE_FP8_E4M3) ATTEND_SIZES(CACHE_FP8_E4M3);
+    if (format == CACHE_FP8_E5M2) ATTEND_SIZES(CACHE_FP8_E5M2);
+    ATTEND_SIZES(CACHE_BF16);
+#undef ATTEND_SIZES
 #undef ATTEND_CHUNK
 }
 

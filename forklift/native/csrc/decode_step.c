@@ -11,8 +11,9 @@
  *
  * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX, a
  * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
- * embedding are in the model's dtype (bf16 or fp32), the KV cache in it too or in int8
- * rows with a scale each (paged_attention.h's CACHE_INT8), quantized as they are written. A row running a LoRA
+ * embedding are in the model's dtype (bf16 or fp32), the KV cache in it too or in rows of
+ * one-byte codes with a scale each (paged_attention.h's coded formats), quantized as they
+ * are written. A row running a LoRA
  * adapter adds its slot's delta to each projection it adapts (float32 slots, see
  * lora_add). The residual
  * stream and every activation stay in fp32 between operations. Each matmul and the
@@ -460,9 +461,9 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                 const size_t at = (size_t)h * head_bytes + (size_t)slots[r] * row_bytes;
                 char *k_dst = (char *)layer->key_cache + at;
                 char *v_dst = (char *)layer->value_cache + at;
-                if (format == CACHE_INT8) {
-                    quantize_cache_row(k, head_dim, k_dst);
-                    quantize_cache_row(v, head_dim, v_dst);
+                if (cache_coded(format)) {
+                    quantize_cache_row(k, head_dim, k_dst, format);
+                    quantize_cache_row(v, head_dim, v_dst, format);
                     continue;
                 }
                 for (int64_t i = 0; i < head_dim; i++) {

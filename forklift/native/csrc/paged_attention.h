@@ -84,29 +84,73 @@ static inline lane_vector exp_nonpositive_lanes(lane_vector x) {
     return (lane_vector)((lane_int_vector)(p * (lane_vector)scale) & finite);
 }
 
-/* How the KV cache holds one row of head_dim values: fp32, bf16, or int8 codes followed by
- * their fp32 scale (value = code * scale, one scale per token and KV head: the row's
- * largest magnitude over 127), head_dim + 4 bytes a row. */
-enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2 };
+/* How the KV cache holds one row of head_dim values: fp32, bf16, or one-byte codes (int8,
+ * fp8 e4m3 or e5m2) followed by their fp32 scale (value = code * scale, one scale per token
+ * and KV head: the row's largest magnitude over the code's largest), head_dim + 4 bytes. */
+enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2, CACHE_FP8_E4M3 = 3, CACHE_FP8_E5M2 = 4 };
+
+/* A row of one-byte codes and a scale. */
+static inline int cache_coded(int format) { return format >= CACHE_INT8; }
 
 static inline size_t cache_row_bytes(int format, int64_t head_dim) {
-    return format == CACHE_INT8 ? (size_t)head_dim + sizeof(float)
-                                : (size_t)head_dim * (format == CACHE_BF16 ? 2 : 4);
+    return cache_coded(format) ? (size_t)head_dim + sizeof(float)
+                               : (size_t)head_dim * (format == CACHE_BF16 ? 2 : 4);
 }
 
-/* An int8 row's scale (the row is not 4-byte aligned at every head size). */
-static inline float int8_row_scale(const char *row, int64_t head_dim) {
+/* What a coded row's widened codes (widen_codes) are multiplied by: its scale (the row is
+ * not 4-byte aligned at every head size), times 2^8 for e4m3, whose codes widen as fp16
+ * bits worth 2^-8 of their value. */
+static inline float coded_row_scale(int format, const char *row, int64_t head_dim) {
     float scale;
     memcpy(&scale, row + head_dim, sizeof scale);
-    return scale;
+    return format == CACHE_FP8_E4M3 ? scale * 256.0f : scale;
 }
 
-/* An int8 cache stores rows of a power-of-two size rotated (model/kv_cache_dtype.py): the
+/* A coded cache stores rows of a power-of-two size rotated (model/kv_cache_dtype.py): the
  * normalised Hadamard transform spreads a few large channels over all of them, so the one
  * scale of a row loses less. Queries are rotated alike and the attended rows rotated back
  * (the transform is orthonormal and its own inverse). */
 static inline int cache_rotates(int format, int64_t head_dim) {
-    return format == CACHE_INT8 && head_dim >= 2 && (head_dim & (head_dim - 1)) == 0;
+    return cache_coded(format) && head_dim >= 2 && (head_dim & (head_dim - 1)) == 0;
+}
+
+/* An fp8 code's bits as fp16 bits: e5m2 is fp16's upper byte; e4m3's exponent and mantissa
+ * shift into fp16's, its value then 2^8 times the fp16's (subnormals alike). */
+static inline uint16_t fp8_as_half(uint8_t code, int format) {
+    if (format == CACHE_FP8_E5M2) return (uint16_t)(code << 8);
+    return (uint16_t)(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
+}
+
+/* One value widened as widen_codes does (before coded_row_scale). */
+static inline float code_value(const char *codes, int64_t i, int format) {
+    if (format == CACHE_INT8) return (float)((const int8_t *)codes)[i];
+    return fp16_to_float(fp8_as_half(((const uint8_t *)codes)[i], format));
+}
+
+/* v (|v| <= the format's largest) as an fp8 code, rounded to nearest, ties to even, as
+ * torch's conversion rounds it. */
+static inline uint8_t fp8_encode(float v, int format) {
+    const int mantissa_bits = format == CACHE_FP8_E4M3 ? 3 : 2;
+    const int bias = format == CACHE_FP8_E4M3 ? 7 : 15;
+    const int largest = format == CACHE_FP8_E4M3 ? 0x7e : 0x7b; /* 448, 57344 */
+    const uint8_t sign = v < 0.0f ? 0x80 : 0;
+    const float a = fabsf(v);
+    if (!(a > 0.0f)) return sign;
+    int exponent;
+    frexpf(a, &exponent);
+    exponent -= 1; /* a = 1.m x 2^exponent */
+    int code;
+    if (exponent < 1 - bias) { /* subnormal: steps of 2^(1 - bias - mantissa_bits) */
+        code = (int)nearbyintf(ldexpf(a, bias - 1 + mantissa_bits));
+    } else {
+        int mantissa = (int)nearbyintf(ldexpf(a, mantissa_bits - exponent)) - (1 << mantissa_bits);
+        if (mantissa == 1 << mantissa_bits) {
+            exponent++;
+            mantissa = 0;
+        }
+        code = ((exponent + bias) << mantissa_bits) | mantissa;
+    }
+    return sign | (uint8_t)(code > largest ? largest : code);
 }
 
 #if defined(__clang__)
@@ -174,7 +218,7 @@ static inline void hadamard_rotate(float *x, int64_t n) {
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
+static inline void quantize_cache_row(const float *x, int64_t n, char *dst, int format) {
     float largest = 0.0f;
     const int vectors = n % LANES == 0;
     if (vectors) {
@@ -190,9 +234,15 @@ static inline void quantize_cache_row(const float *x, int64_t n, char *dst) {
     } else {
         for (int64_t i = 0; i < n; i++) largest = fmaxf(largest, fabsf(x[i]));
     }
-    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    const float top = format == CACHE_INT8 ? 127.0f : format == CACHE_FP8_E4M3 ? 448.0f : 57344.0f;
+    const float scale = largest / top, inverse = largest > 0.0f ? top / largest : 0.0f;
     int8_t *codes = (int8_t *)dst;
-    if (vectors) {
+    if (format != CACHE_INT8) {
+        for (int64_t i = 0; i < n; i++) {
+            const float scaled = x[i] * inverse;
+            ((uint8_t *)dst)[i] = fp8_encode(scaled, format);
+        }
+    } else if (vectors) {
         const float magic = 12582912.0f;
         for (int64_t i = 0; i < n; i += LANES) {
             lane_vector v;
@@ -228,6 +278,24 @@ static inline float16_vector widen_int8(const int8_t *src) {
     int8_16_vector raw;
     memcpy(&raw, src, sizeof raw);
     return __builtin_convertvector(raw, float16_vector);
+#endif
+}
+
+/* Sixteen codes of a coded row widened to fp32 (to be multiplied by coded_row_scale): int8
+ * as above, fp8 through their fp16 bits and the F16C conversion. */
+static inline float16_vector widen_codes(const char *src, int format) {
+    if (format == CACHE_INT8) return widen_int8((const int8_t *)src);
+#if defined(__AVX512F__)
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    const __m256i half = format == CACHE_FP8_E5M2
+        ? _mm256_slli_epi16(bytes, 8)
+        : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
+                          _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7));
+    return (float16_vector)_mm512_cvtph_ps(half);
+#else
+    float16_vector out;
+    for (int l = 0; l < 16; l++) out[l] = code_value(src, l, format);
+    return out;
 #endif
 }
 
@@ -286,7 +354,7 @@ static inline float16_vector sum4(float16_vector a0, float16_vector a1, float16_
 
 /* acc[j] = sum_t p[j, t] * V[t] for query vectors j in [first, first + pass) (vectors past
  * `count` get zero weights), over the live positions only, with the pass's sums held in
- * registers: head_dim, pass and the cache format (bf16 or int8, whose row scale joins the
+ * registers: head_dim, pass and the cache format (bf16, or coded: a row's scale joins the
  * weight) are constants at each call site once inlined. */
 static inline __attribute__((always_inline)) void accumulate_values(
     float *acc, const float *scores, const char *v_head, const int64_t *slots,
@@ -302,9 +370,9 @@ static inline __attribute__((always_inline)) void accumulate_values(
         const char *row = v_head + (size_t)slots[t] * row_bytes;
         float16_vector v[8];
         float row_scale = 1.0f;
-        if (format == CACHE_INT8) {
-            row_scale = int8_row_scale(row, head_dim);
-            for (int64_t c = 0; c < chunks; c++) v[c] = widen_int8((const int8_t *)row + c * 16);
+        if (cache_coded(format)) {
+            row_scale = coded_row_scale(format, row, head_dim);
+            for (int64_t c = 0; c < chunks; c++) v[c] = widen_codes(row + c * 16, format);
         } else {
             for (int64_t c = 0; c < chunks; c++) v[c] = widen_bf16((const uint16_t *)row + c * 16);
         }
@@ -342,14 +410,18 @@ static inline void store_normalised(void *out_row, const float *sums, float tota
         }                                                                     \
     } while (0)
 
-/* One cache row widened to fp32 (an int8 row's codes times its scale). */
+/* One cache row widened to fp32 (a coded row's codes times its scale). */
 #define LOAD_CACHE_ROW(dst, src, d_count, format)                                    \
     do {                                                                             \
         if ((format) == CACHE_INT8) {                                                \
             const int8_t *codes_ = (const int8_t *)(src);                            \
-            const float scale_ = int8_row_scale((const char *)(src), (d_count));     \
+            const float scale_ = coded_row_scale((format), (const char *)(src), (d_count)); \
             _Pragma("omp simd") for (int64_t d_ = 0; d_ < (d_count); d_++)           \
                 (dst)[d_] = (float)codes_[d_] * scale_;                              \
+        } else if (cache_coded(format)) {                                            \
+            const float scale_ = coded_row_scale((format), (const char *)(src), (d_count)); \
+            for (int64_t d_ = 0; d_ < (d_count); d_++)                               \
+                (dst)[d_] = code_value((const char *)(src), d_, (format)) * scale_;  \
         } else {                                                                     \
             LOAD_ROW(dst, src, d_count, (format) == CACHE_BF16);                     \
         }                                                                            \
@@ -503,6 +575,12 @@ static inline __attribute__((always_inline)) int attend_rows(
             if (format == CACHE_INT8)
                 accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
                                   head_dim, per_pass, CACHE_INT8);
+            else if (format == CACHE_FP8_E4M3)
+                accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
+                                  head_dim, per_pass, CACHE_FP8_E4M3);
+            else if (format == CACHE_FP8_E5M2)
+                accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
+                                  head_dim, per_pass, CACHE_FP8_E5M2);
             else
                 accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
                                   head_dim, per_pass, CACHE_BF16);
