@@ -1,4 +1,4 @@
-"""Quality of the int8 KV cache against the cache in the model's dtype, and of llama.cpp's
+"""Quality of the coded KV caches (int8, fp8) against the cache in the model's dtype, and of llama.cpp's
 q8_0 / q4_0 caches against its f16 one on the same file.
 
 forklift: each model runs the same windows of held-out text (the Python reference topics
@@ -111,10 +111,11 @@ def unrotated() -> Iterator[None]:
 
 
 def measure_model(
-    name: str, path: Path, ids: list[int], windows: int, bos: int | None, rotated: bool
-) -> dict:
-    """int8 against the model-dtype cache: on the native step (rotated rows) or, unrotated,
-    both engines on the PyTorch layers."""
+    name: str, path: Path, ids: list[int], windows: int, bos: int | None, rotated: bool,
+    coded: str,
+) -> dict:  # fmt: skip
+    """A coded cache (`coded`: int8, fp8_e4m3, fp8_e5m2) against the model-dtype cache: on
+    the native step (rotated rows) or, unrotated, both engines on the PyTorch layers."""
 
     def engine(cache: str) -> LLM:
         llm = LLM(model=str(path), max_model_len=CONTEXT + 64, kv_cache_dtype=cache,
@@ -124,7 +125,8 @@ def measure_model(
         return llm
 
     with contextlib.nullcontext() if rotated else unrotated():
-        return _measure(name, engine("auto"), engine("int8"), ids, windows, bos, rotated)
+        row = _measure(name, engine("auto"), engine(coded), ids, windows, bos, rotated)
+    return {**row, "coded": coded}
 
 
 def _measure(
@@ -219,8 +221,9 @@ def main() -> None:
         bos = tokenizer.bos_token_id
         starts_with_bos = bos is not None and tokenizer("a")["input_ids"][0] == bos
         first = bos if starts_with_bos else None
-        for rotated in (True, False):
-            rows.append(measure_model(name, Path(path), ids, args.windows, first, rotated))
+        variants = [("int8", True), ("int8", False), ("fp8_e4m3", True), ("fp8_e5m2", True)]
+        for coded, rotated in variants:
+            rows.append(measure_model(name, Path(path), ids, args.windows, first, rotated, coded))
             print(rows[-1])
     llama = []
     if args.llama_cpp is not None:
@@ -233,7 +236,7 @@ def main() -> None:
                     llama.append({"model": name, **entry})
                     print(llama[-1])
     lines = [
-        "# KV cache quality: int8 against the model-dtype cache",
+        "# KV cache quality: int8 and fp8 against the model-dtype cache",
         "",
         f"Held-out text: Python's reference topics (`pydoc_data.topics`), {args.windows} windows "
         f"of {CONTEXT} tokens, teacher-forced; the second half of each window scored (as "
@@ -249,8 +252,9 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        rotation = "rotated" if r["rotated"] else "unrotated"
         lines.append(
-            f"| forklift | {r['model']} | int8 {'rotated' if r['rotated'] else 'unrotated'} vs "
+            f"| forklift | {r['model']} | {r['coded']} {rotation} vs "
             f"{r['cache_dtype']} ({r['path']}) | {r['ppl_base']:.4f} | "
             f"{r['ppl_int8']:.4f} | {r['ppl_ratio']:.4f} | {r['mean_kl']:.5f} | "
             f"{100 * r['same_top_token']:.2f}% | {r['greedy_close']} |"
