@@ -1,5 +1,5 @@
-"""Quality of the coded KV caches (int8, fp8) against the cache in the model's dtype, and of llama.cpp's
-q8_0 / q4_0 caches against its f16 one on the same file.
+"""Quality of the coded KV caches (int8, fp8) against the cache in the model's dtype, and of
+llama.cpp's q8_0 / q4_0 caches against its f16 one on the same file.
 
 forklift: each model runs the same windows of held-out text (the Python reference topics
 that ship with the interpreter, `pydoc_data.topics`, cut into CONTEXT-token windows) with
