@@ -4,7 +4,9 @@ The kernel reads keys and values straight from the paged cache through the block
 as the compiled in-place kernel does, but as one call into plain C: no guard checks and no
 graph wrapper per layer, one fp32 widening per loaded row shared by a KV head's query heads,
 and masked positions skipped. Same arguments and result as `DecodeKernel`; the cache in the
-queries' dtype or int8 (model/kv_cache_dtype.py), widened inside the kernel.
+queries' dtype or coded (int8 or fp8 rows with a scale each, model/kv_cache_dtype.py),
+widened inside the kernel. The kernel reads rows as stored: its caller rotates queries and
+outputs for a rotated cache.
 """
 
 from __future__ import annotations
