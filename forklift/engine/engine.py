@@ -783,8 +783,11 @@ class LLMEngine:
                 sum(s.num_prompt_tokens for s in sched.scheduled),
             )
         )
+        # The chunk ends on the wall clock its first token was stamped by (time.time() and
+        # perf_counter drift apart by a tenth of a millisecond over a step at times).
+        end = max(time.time(), start)
         for request_id, tokens in prompt_tokens.items():
-            step = PrefillChunk(start, start + duration, tokens, sched.num_batched_tokens)
+            step = PrefillChunk(start, end, tokens, sched.num_batched_tokens)
             parents[request_id].metrics.prefill_chunks.append(step)
 
     def _process_sample(self, sequence: OutputSequence, out: SamplerOutput, row: int) -> bool:
