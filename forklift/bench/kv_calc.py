@@ -41,7 +41,7 @@ class KVRow:
         return head_dim * dtype_bytes(self.dtype)
 
     def formula(self, head_dim: int, num_tokens: int) -> str:
-        """head dim x tokens x bytes per element, the scale's bytes added to an int8 row."""
+        """head dim x tokens x bytes per element, the scale's bytes added to a coded row."""
         if self.kv_cache_dtype != "auto":
             return (
                 f"({head_dim} + {CODE_SCALE_BYTES}) x {num_tokens} x 1 ({self.kv_cache_dtype}, "

@@ -11,16 +11,21 @@ answer independent of what shares its steps.
 Where head_dim is a power of two, a row is rotated by the normalised Hadamard transform
 before it is quantized (as llama.cpp rotates a quantized cache): the rotation spreads a
 few large channels over all of them, so one scale per row loses far less (Gemma 3 270M:
-mean KL against the bf16 cache 0.0100 without, 0.0025 with; benchmarks/kv-cache-int8-quality.md).
+mean KL against the bf16 cache 0.0100 without, 0.0025 with;
+benchmarks/kv-cache-int8-quality.md).
 The transform is orthonormal and its own inverse, so attention never un-rotates a row:
 queries are rotated instead (a score is the same dot product), and the weighted sum of
 rotated values is rotated back once per output row.
 
-The cache tensor of an int8 cache is torch.int8 with a last dimension of head_dim + 4; every
-place that moves whole blocks (copy-on-write forks, zeroing) needs no change. The native
-step rotates, quantizes as it writes and widens inside its attention kernels
-(csrc/paged_attention.h's CACHE_INT8); the PyTorch layers write through `quantize_rows` and
-read through `dequantize_rows`, which rotates back.
+`fp8` (= `fp8_e4m3`) and `fp8_e5m2`, vLLM's fp8 names, keep one fp8 code a value in the same
+layout (the row scaled so its largest magnitude is the format's largest), with the same
+rotation; they lose more than int8 (the same report).
+
+The cache tensor of a coded cache is int8 or torch's float8 dtype with a last dimension of
+head_dim + 4; every place that moves whole blocks (copy-on-write forks, zeroing) needs no
+change. The native step rotates, quantizes as it writes and widens inside its attention
+kernels (csrc/paged_attention.h's coded formats); the PyTorch layers write through
+`quantize_rows` and read through `dequantize_rows`, which rotates back.
 """
 
 from __future__ import annotations

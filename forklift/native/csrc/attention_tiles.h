@@ -1,6 +1,6 @@
 /* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 or coded cache and
- * head sizes of 64, 128 or 256: the form the decode step and the per-layer kernel run where it builds
- * (paged_attention.h's attend_rows is the fallback everywhere else).
+ * head sizes of 64, 128 or 256: the form the decode step and the per-layer kernel run
+ * where it builds (paged_attention.h's attend_rows is the fallback everywhere else).
  *
  * A task is one KV head of a run of rows reading the same blocks (a decode row, or the rows
  * verifying a sequence's drafts), over one range of positions. Tiles are aligned to sixteen
@@ -82,7 +82,7 @@ static inline float16_vector sum16(const float16_vector a[16]) {
 }
 
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
- * position t0 + p): each position's row scale (row_scales: an int8 tile's; NULL: none),
+ * position t0 + p): each position's row scale (row_scales: a coded tile's; NULL: none),
  * scale and the vector's bias applied (positions at or past `end` get -inf), stored whole
  * at `dst`, the maxima kept lane by lane. */
 static inline __attribute__((always_inline)) void finish_scores(
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void finish_scores(
 /* Every query vector's scores at one tile (positions t0 .. t0 + 15) straight from the bf16
  * key rows: vdpbf16ps multiplies two dimensions a lane against the query rounded to bf16
  * (as PyTorch's bf16 layers hold it; the native step's fp32 queries take that rounding
- * here), so no key row is widened. An int8 tile's rows come as their codes in bf16 (exact)
+ * here), so no key row is widened. A coded tile's rows come as their codes in bf16 (exact)
  * with `row_scales` applied to the dot products (NULL for a bf16 cache). */
 #define SCORE_FROM_BF16 1
 static inline __attribute__((always_inline)) void score_tile(
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void coded_tile_as_bf16(
 
 /* Every query vector's scores at one tile (positions t0 .. t0 + 15) from its key rows
  * widened to fp32 once into `keys` [16, head_dim] for all vectors: bf16 rows as they are,
- * int8 rows' codes times their row's scale. */
+ * coded rows' codes times their row's scale. */
 static inline __attribute__((always_inline)) void score_tile_widened(
     const float *queries, int64_t count, const char *const *rows, float *keys,
     const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void score_tile_widened(
 }
 
 /* acc[first + h] = sum over the live tiles' positions of weight * V, for `pass` vectors,
- * the sums in registers (pass, head_dim and format constants once inlined; an int8 row's
+ * the sums in registers (pass, head_dim and format constants once inlined; a coded row's
  * scale joins its weight). */
 static inline __attribute__((always_inline)) void tile_values(
     float *acc, const float *scores, int64_t stride, const char *v_head, const int64_t *slots,
@@ -458,7 +458,7 @@ static inline int tiles_cover(int64_t head_dim, int format) {
  * past one chunk, each chunk leaves partial results, merged per query vector once all
  * tasks are done. The chunks depend on positions only, so a row's result is the same in
  * any batch. q and out: [rows, heads, head_dim], fp32 or bf16 by io_bf16; format: the
- * cache's CACHE_BF16 or CACHE_INT8. Returns 1 when scratch memory ran out. */
+ * cache's CACHE_BF16 or a coded CACHE_*. Returns 1 when scratch memory ran out. */
 static int tiled_attention(const void *q, const void *key_cache, const void *value_cache,
                            const int64_t *blocks, const float *bias, void *out, int64_t rows,
                            int64_t heads, int64_t kv_heads, int64_t num_blocks,

@@ -450,7 +450,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                 if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, offset, head);
                 rotate(head, cos, sin, m->rotary_dim);
             }
-            /* An int8 cache holds K and V rotated; queries are rotated alike. */
+            /* A coded cache holds K and V rotated; queries are rotated alike. */
             if (cache_rotates(format, head_dim))
                 for (int64_t h = 0; h < m->heads + 2 * m->kv_heads; h++)
                     hadamard_rotate(row + h * head_dim, head_dim);

@@ -210,9 +210,10 @@ static inline void hadamard_rotate(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= norm;
 }
 
-/* One row of n values into the cache's int8 form: codes round(x * 127 / max|x|) (nearest,
- * ties to even), then the scale max|x| / 127. A row depends on its own values only. Whole
- * vectors where n allows (rounded by the 1.5 * 2^23 trick: nearbyintf's result for these
+/* One row of n values into a coded form: codes of x * top / max|x|, top the codes' largest
+ * magnitude (127; 448 or 57344 for fp8), then the scale max|x| / top. A row depends on its
+ * own values only. int8 codes are rounded to nearest, ties to even: whole vectors where n
+ * allows (rounded by the 1.5 * 2^23 trick: nearbyintf's result for these
  * magnitudes), one value at a time otherwise. Not contracted: x * inverse is rounded to
  * fp32 before it is rounded to an integer, as model/kv_cache_dtype.py rounds it. */
 #if defined(__GNUC__) && !defined(__clang__)
