@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from forklift.config import KV_CACHE_DTYPES
 from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # A coded cache row's float32 scale after its one-byte codes (model/kv_cache_dtype.py).
 CODE_SCALE_BYTES = 4
 

@@ -24,12 +24,11 @@ from forklift.model.layers.lora_slots import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
+from forklift.native.decode_attention import CACHE_FORMATS, CODED_CACHE_DTYPES
 from forklift.native.decode_step import StepLayer, StepLoRA, StepModel, StepQuantWeight
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# csrc/paged_attention.h's coded formats: one-byte codes and a scale a row.
-_CODED_FORMATS = {torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 # Block weights run every step whole, at any number of rows, unless an engine keeps dense
 # copies for prefill (batch_invariant off): then decode steps of up to this many rows, twice
 # what the PyTorch layers' block kernels take (with no Python between layers the step still
@@ -194,7 +193,7 @@ class StepBinding:
         caches = zip(model.layers, layer_caches, strict=True)
         for index, (layer, (keys, values)) in enumerate(caches):
             attn, mlp = layer.self_attn, layer.mlp
-            if (keys.dtype != dtype and keys.dtype not in _CODED_FORMATS) or (
+            if (keys.dtype != dtype and keys.dtype not in CODED_CACHE_DTYPES) or (
                 values.dtype != keys.dtype
             ):
                 raise ValueError(
@@ -239,7 +238,7 @@ class StepBinding:
             weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"), embed_blocks,
-            _CODED_FORMATS.get(key_cache.dtype, _DTYPE_FLAGS[dtype]),
+            CACHE_FORMATS[key_cache.dtype],
         )  # fmt: skip
 
 

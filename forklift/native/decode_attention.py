@@ -19,10 +19,10 @@ import torch
 from forklift.native.build import load_native_library
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# csrc/paged_attention.h's CACHE_*: fp32 0, bf16 1, rows of one-byte codes with a scale
-# each: int8 2, fp8 e4m3 3, fp8 e5m2 4.
-_CACHE_FORMATS = {**_DTYPE_FLAGS, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-_CODED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+# Coded caches (rows of one-byte codes with a scale each) and csrc/paged_attention.h's
+# CACHE_* value of every cache dtype: fp32 0, bf16 1, int8 2, fp8 e4m3 3, fp8 e5m2 4.
+CODED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_FORMATS = {**_DTYPE_FLAGS, **{dtype: 2 + i for i, dtype in enumerate(CODED_CACHE_DTYPES)}}
 PROFILER_NAME = "forklift::native_decode_attention"
 
 
@@ -49,7 +49,7 @@ class NativeDecodeAttention:
         return (
             key_cache.device.type == "cpu"
             and q.dtype in _DTYPE_FLAGS
-            and (key_cache.dtype == q.dtype or key_cache.dtype in _CODED)
+            and (key_cache.dtype == q.dtype or key_cache.dtype in CODED_CACHE_DTYPES)
             and key_cache.is_contiguous()
         )
 
@@ -78,7 +78,7 @@ class NativeDecodeAttention:
                 q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                 kv_blocks.data_ptr(), bias.data_ptr(), out.data_ptr(), seqs, heads, kv_heads,
                 num_blocks, block_size, head_dim, kv_blocks.shape[1], scale,
-                _CACHE_FORMATS[key_cache.dtype], _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
+                CACHE_FORMATS[key_cache.dtype], _DTYPE_FLAGS[q.dtype], torch.get_num_threads(),
             )  # fmt: skip
         if failed:
             raise MemoryError("decode attention could not allocate its scratch buffers")
