@@ -41,6 +41,12 @@ typedef struct {
     int32_t *offset;
 } QuantizedRow;
 
+/* The distance between consecutive rows of a run of QuantizedRows, per field (see
+ * even_row_strides); q == 0: the rows are not evenly spaced. */
+typedef struct {
+    int64_t q, xd, xs, offset;
+} RowStrides;
+
 /* Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23 leaves
  * the float unit's own rounding (lrintf is a library call per value; this vectorises).
  * Correct only without -ffast-math, which the build never passes. */
@@ -355,7 +361,7 @@ static inline void quant_tiles_configure(void) {
 static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
-    int64_t stride, float *sums, int is_q4, const uint8_t *unpacked) {
+    RowStrides stride, float *sums, int is_q4, const uint8_t *unpacked) {
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
      * by then the slot's previous block has been scaled. */
@@ -367,9 +373,9 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
             if (unpacked == NULL) store_pair_block(codes0, codes1, b, is_q4, codes_tile[b & 1]);
             if (b & 1)
-                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
+                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride.q, tile);
             else
-                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride, tile);
+                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride.q, tile);
         }
         if (b >= 1 && b - 1 < blocks) {
             if ((b - 1) & 1)
@@ -382,23 +388,36 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const int32_t *done_sums = block_sums[done % 2];
             const __m512 wd = pair_scales(d0, d1, done);
             const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
-            for (int r = 0; r < QUANT_TILE_ROWS; r++)
-                acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
-                                          x + r, done, is_q4);
+            /* scale_block_sums's steps, each row's scales found by its stride: the
+             * rows' pointers would be reloaded per block (the tile asm clobbers memory). */
+            const float *xd = x[0].xd + done, *xs = x[0].xs + done;
+            const int32_t *offset = x[0].offset + done;
+            for (int r = 0; r < QUANT_TILE_ROWS; r++) {
+                __m512i dots = _mm512_load_si512(done_sums + 16 * r);
+                if (!is_q4)
+                    dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(offset[r * stride.offset]));
+                const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[r * stride.xd]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[r]);
+                if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[r * stride.xs]), acc[r]);
+            }
         }
     }
     for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
 #undef QUANT_TILE_PRODUCT
 
-/* The byte distance between consecutive rows' codes when x[0..count - 1] (count >= 2) lie
- * in ascending order a positive distance apart, so that one tile load reads any sixteen of
- * them; else 0. */
-static inline int64_t even_row_stride(const QuantizedRow *x, int64_t count) {
-    const int64_t stride = x[1].q - x[0].q;
+/* How far apart consecutive rows of x[0..count - 1] (count >= 2) lie when every field's
+ * rows are evenly spaced, the codes in ascending order (one tile load reads any sixteen of
+ * them): bytes for the codes, elements for the scales; all 0 otherwise. */
+static inline RowStrides even_row_strides(const QuantizedRow *x, int64_t count) {
+    const RowStrides none = {0, 0, 0, 0};
+    const RowStrides stride = {x[1].q - x[0].q, x[1].xd - x[0].xd, x[1].xs - x[0].xs,
+                               x[1].offset - x[0].offset};
     for (int64_t r = 2; r < count; r++)
-        if (x[r].q - x[r - 1].q != stride) return 0;
-    return stride > 0 ? stride : 0;
+        if (x[r].q - x[r - 1].q != stride.q || x[r].xd - x[r - 1].xd != stride.xd ||
+            x[r].xs - x[r - 1].xs != stride.xs || x[r].offset - x[r - 1].offset != stride.offset)
+            return none;
+    return stride.q > 0 ? stride : none;
 }
 
 /* 1 where this process may use the tiles; asked of the kernel once (the answer never
@@ -435,6 +454,12 @@ static inline void store_sums(float *out, int64_t out_stride, int64_t row, int64
     if (fold > 0 && row >= fold) {
         float *dst = out + (row - fold) * out_stride + first;
         for (int64_t i = 0; i < width; i++) dst[i] += sums[i];
+    } else if (width == 8) { /* a whole group: one store, not a library call per row */
+#if defined(__AVX2__)
+        _mm256_storeu_ps(out + row * out_stride + first, _mm256_loadu_ps(sums));
+#else
+        memcpy(out + row * out_stride + first, sums, sizeof(float) * 8);
+#endif
     } else {
         memcpy(out + row * out_stride + first, sums, sizeof(float) * (size_t)width);
     }
@@ -485,11 +510,11 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
 }
 
 /* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
- * with `tile_stride` (the rows' codes that far apart; 0: no tiles), sixteen rows at a time
- * as group_pair_tiles does. */
+ * with evenly spaced rows (`strides.q` > 0; 0: no tiles), sixteen rows at a time as
+ * group_pair_tiles does. */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, int64_t tile_stride, uint8_t *unpacked) {
+                                        int64_t fold, RowStrides strides, uint8_t *unpacked) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -502,7 +527,7 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
      * read codes written long before (a tile load right after the stores that fill it waits
      * for them). */
     const uint8_t *ready = NULL;
-    if (tile_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
+    if (strides.q && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
         for (int64_t b = 0; b < blocks; b++)
             store_pair_block(codes, codes + group_bytes, b, is_q4, unpacked + b * 512);
         ready = unpacked;
@@ -514,14 +539,14 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
 #if defined(FORKLIFT_QUANT_TILES)
         /* A tile may span both halves of precise rows: rows are stored in order, each
          * second half adding onto its first, as the dot products' tiles leave them. */
-        if (tile_stride && rows - r0 >= QUANT_TILE_ROWS) {
+        if (strides.q && rows - r0 >= QUANT_TILE_ROWS) {
             float sums[16 * QUANT_TILE_ROWS];
             if (is_q4)
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                 m + blocks * 8, blocks, x + r0, tile_stride, sums, 1, ready);
+                                 m + blocks * 8, blocks, x + r0, strides, sums, 1, ready);
             else
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                 blocks, x + r0, tile_stride, sums, 0, ready);
+                                 blocks, x + r0, strides, sums, 0, ready);
             for (int t = 0; t < QUANT_TILE_ROWS; t++)
                 store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
                                 second_width);
@@ -529,7 +554,7 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
             continue;
         }
 #else
-        (void)tile_stride;
+        (void)strides;
 #endif
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
@@ -620,20 +645,20 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win. */
-    const int64_t tile_stride = active >= QUANT_TILE_ROWS && quant_tiles_usable()
-                                    ? even_row_stride(views, active)
-                                    : 0;
+    const RowStrides none = {0, 0, 0, 0};
+    const RowStrides strides = active >= QUANT_TILE_ROWS && quant_tiles_usable()
+                                   ? even_row_strides(views, active)
+                                   : none;
 #else
-    const int64_t tile_stride = 0;
-    (void)tile_stride;
+    const RowStrides strides = {0, 0, 0, 0};
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
         uint8_t *unpacked = NULL;
 #if defined(FORKLIFT_QUANT_TILES)
-        if (tile_stride) quant_tiles_configure();
+        if (strides.q) quant_tiles_configure();
         /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
-        if (tile_stride && active >= 2 * QUANT_TILE_ROWS)
+        if (strides.q && active >= 2 * QUANT_TILE_ROWS)
             unpacked = aligned_alloc(64, (size_t)(k / QK) * 512);
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
@@ -643,7 +668,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
             if (g + 1 < end) {
-                quant_row_group_pair(w, g++, views, active, out, w->n, fold, tile_stride,
+                quant_row_group_pair(w, g++, views, active, out, w->n, fold, strides,
                                      unpacked);
                 continue;
             }
@@ -651,7 +676,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
             quant_row_group(w, g, views, active, out, w->n, fold);
         }
 #if defined(FORKLIFT_QUANT_TILES)
-        if (tile_stride) _tile_release();
+        if (strides.q) _tile_release();
 #endif
         free(unpacked);
     }
