@@ -103,6 +103,7 @@ def test_every_step_runs_the_native_step(tiny, monkeypatch):
     assert runner.native_steps == len(steps)
 
 
+@pytest.mark.slow
 def test_default_model_is_batch_invariant(default_source):
     """The GGUF default model at its own precision, beside others and from the cache."""
 
@@ -170,6 +171,7 @@ def test_prompt_logprobs_do_not_depend_on_chunks_or_neighbours(tiny):
     assert scores(chunked, _prompt(9, salt=2)) == alone
 
 
+@pytest.mark.slow
 def test_a_long_prompt_past_one_attention_chunk(default_source):
     """More than 1024 positions: the tiled attention kernel (bf16 caches on AVX-512) merges
     per-chunk partial sums; chunked prefill and the cache change nothing."""

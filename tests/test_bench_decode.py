@@ -21,6 +21,7 @@ def test_linear_weights_count_every_projection_and_the_head(default_llm_fp32):
     assert linear_weights(config) == projections + config.vocab_size * config.hidden_size
 
 
+@pytest.mark.slow
 def test_quick_decode_report(tmp_path):
     assert main(["bench", "decode", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
@@ -72,6 +73,7 @@ def test_bad_lists_on_the_command_line_are_clear_errors(capsys):
     assert "--concurrency must be positive" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_rounds_against_llama_bench_alternate_and_take_the_median_ratio(tmp_path):
     # A stand-in llama-bench: it logs each call and reports 50, 100, 200 tok/s in turn.
     calls = tmp_path / "calls"

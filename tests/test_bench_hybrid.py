@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forklift.cli import main
 
 
+@pytest.mark.slow
 def test_quick_hybrid_bench_writes_both_models_and_their_ratios(tmp_path, capsys):
     assert main(["bench", "hybrid", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "hybrid.json").read_text())

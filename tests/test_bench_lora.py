@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forklift.cli import main
 
 
+@pytest.mark.slow
 def test_quick_lora_bench(tmp_path):
     assert main(["bench", "lora", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "lora.json").read_text())

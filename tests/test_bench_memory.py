@@ -114,6 +114,7 @@ def quick_report(tmp_path_factory) -> tuple[Path, dict]:
     return out_dir, json.loads((out_dir / "memory.json").read_text())
 
 
+@pytest.mark.slow
 def test_bench_memory_reproduces_the_seed_figures(quick_report):
     _, report = quick_report
     contiguous = report["figures"]["contiguous"]
@@ -125,6 +126,7 @@ def test_bench_memory_reproduces_the_seed_figures(quick_report):
     assert report["figures"]["freed_slots"] == 20
 
 
+@pytest.mark.slow
 def test_bench_memory_paging_fits_more_at_scale(quick_report):
     _, report = quick_report
     scale = report["at_scale"]
@@ -135,6 +137,7 @@ def test_bench_memory_paging_fits_more_at_scale(quick_report):
     assert scale["mean_request_len"] < scale["max_model_len"] / 2
 
 
+@pytest.mark.slow
 def test_bench_memory_measured_waste_is_under_one_block(quick_report):
     _, report = quick_report
     measured = report["measured"]
@@ -148,6 +151,7 @@ def test_bench_memory_measured_waste_is_under_one_block(quick_report):
     assert measured["num_output_tokens"] == measured["requested_output_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_bench_memory_writes_markdown_and_chart(quick_report):
     out_dir, _ = quick_report
     md = (out_dir / "memory.md").read_text()

@@ -9,6 +9,7 @@ import pytest
 from forklift.cli import main
 
 
+@pytest.mark.slow
 def test_quick_prefix_report(tmp_path):
     assert main(["bench", "prefix", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "prefix.json").read_text())

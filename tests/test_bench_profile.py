@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 from tiny_models import make_tiny_model
 
@@ -26,6 +27,7 @@ def test_operators_fall_into_their_buckets():
     assert categorize("## Call CompiledFxGraph abc123 ##") == "attention"
 
 
+@pytest.mark.slow
 def test_profile_report_adds_up(tmp_path):
     args = ["bench", "profile", "--batch-sizes", "1,4", "--steps", "2", "--context", "40"]
     assert main([*args, "--out-dir", str(tmp_path)]) == 0

@@ -31,6 +31,7 @@ def test_requests_per_level_follow_the_rule():
         ServeSettings(endpoint="embeddings").validate()
 
 
+@pytest.mark.slow
 def test_quick_serve_sweep_against_a_started_server_and_a_peer(tmp_path):
     # The peer is a second forklift server: any OpenAI-compatible server will do.
     with forklift_server(["--max-model-len", "512"]) as peer_url:
@@ -87,6 +88,7 @@ os.execv(sys.executable, [sys.executable, "-m", "forklift.cli", "serve", "--host
 """
 
 
+@pytest.mark.slow
 def test_llama_server_is_started_with_fair_settings_and_loaded_the_same_way(
     tmp_path, default_source
 ):

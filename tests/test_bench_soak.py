@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forklift.bench.soak import (
     SoakRequest,
     SoakSettings,
@@ -40,6 +42,7 @@ def test_rss_growth_ignores_warm_up_and_sees_a_leak():
     assert rss_growth_after_warmup(leak) == 70
 
 
+@pytest.mark.slow
 def test_quick_soak_has_no_errors_and_frees_every_block(tmp_path):
     assert main(["bench", "soak", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "soak.json").read_text())

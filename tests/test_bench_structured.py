@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forklift.cli import main
 
 
+@pytest.mark.slow
 def test_quick_structured_bench_measures_both_modes(tmp_path):
     assert main(["bench", "structured", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "structured.json").read_text())

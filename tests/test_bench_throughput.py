@@ -19,6 +19,7 @@ def test_offline_mixed_cycles_instructions_and_lengths():
         offline_mixed(0)
 
 
+@pytest.mark.slow
 def test_quick_throughput_report(tmp_path):
     assert main(["bench", "throughput", "--quick", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "throughput.json").read_text())

@@ -25,6 +25,7 @@ def forklift_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "forklift"]
 
 
+@pytest.mark.slow
 def test_generate_answers_paris():
     result = subprocess.run(
         [
@@ -67,6 +68,7 @@ def test_generate_reports_bad_input_without_a_traceback():
     assert_generate_exits_2_naming(["--top-p", "3", *SMALL_ENGINE], "top_p")
 
 
+@pytest.mark.slow
 def test_chat_streams_replies_and_keeps_history(default_source):
     stdin = io.StringIO("Name the capital city of France.\nAnd of Italy?\n/exit\n")
     stdout = io.StringIO()

@@ -116,6 +116,7 @@ async def _complete_all(url: str, prompts: list[str], max_tokens: int) -> list[h
         )
 
 
+@pytest.mark.slow
 def test_concurrent_requests_spread_over_both_replicas_with_single_replica_outputs(
     dp_url, tiny_dir
 ):
@@ -136,6 +137,7 @@ def test_concurrent_requests_spread_over_both_replicas_with_single_replica_outpu
     assert 'forklift:replica_outstanding_tokens{replica="1"} 0' in metrics
 
 
+@pytest.mark.slow
 def test_requests_sharing_a_long_prefix_land_on_one_replica(dp_url):
     shared = _prompt(99, words=80)  # about 400 characters
     prompts = [f"{shared} {_prompt(i, words=3)}" for i in range(8)]
@@ -147,6 +149,7 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(dp_url):
     assert len({r.headers["x-forklift-replica"] for r in mixed}) == 2
 
 
+@pytest.mark.slow
 def test_the_status_snapshot_has_one_panel_per_replica(dp_url):
     page = httpx.get(f"{dp_url}/status")
     assert page.status_code == 200 and 'id="panels"' in page.text
@@ -159,6 +162,7 @@ def test_the_status_snapshot_has_one_panel_per_replica(dp_url):
         assert len(snapshot["blocks"]["states"]) == snapshot["config"]["num_blocks"]
 
 
+@pytest.mark.slow
 def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(dp_url):
     table = httpx.get(f"{dp_url}/v1/replicas").json()["data"]
     victim = table[0]

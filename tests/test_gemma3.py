@@ -129,6 +129,7 @@ def hf_gemma(gemma_file):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_the_gemma3_270m_file_serves_at_its_precision_and_matches_transformers(
     gemma_file, hf_gemma, caplog
 ):
@@ -160,6 +161,7 @@ def test_the_gemma3_270m_file_serves_at_its_precision_and_matches_transformers(
                 break
 
 
+@pytest.mark.slow
 def test_the_gemma3_270m_file_answers_the_same_whatever_shares_its_steps(gemma_file):
     """One forward on the real file (windowed and global KV groups, Q4_K and Q8_0 blocks):
     a prompt longer than two windowed blocks gives bitwise the same tokens and logprobs

@@ -15,6 +15,9 @@ from forklift import SamplingParams
 from forklift.hf_reference import load_hf_model
 from forklift.model.model_source import load_model_config
 
+# The default model end to end against transformers, both sides in fp32.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "What is the capital of France?",
     "Hi",

@@ -253,6 +253,7 @@ def test_quantized_engine_survives_sleep_and_wake(tmp_path):
     assert _greedy(llm, prompts, 8)[0].outputs[0].token_ids == first
 
 
+@pytest.mark.slow
 def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
     """8 chat prompts x 32 greedy tokens: quantized (Q4_1 as int4) against the same file
     dense in bf16, with vLLM's check_logprobs_close criterion."""
@@ -278,6 +279,7 @@ def test_quantized_decode_on_the_default_model_tracks_dense(default_source):
     _assert_chats_close(quantized, dense, questions, 32)
 
 
+@pytest.mark.slow
 def test_native_decode_tracks_pytorchs_kernels_on_the_default_model(default_source):
     """8 chat prompts x 64 greedy tokens: the native decode step (block kernels, int8 and
     precise activations) against PyTorch's int4 kernels on the same file, with vLLM's
@@ -354,11 +356,13 @@ def perplexity(default_source):
     return of
 
 
+@pytest.mark.slow
 def test_int4_perplexity_within_two_percent_of_dense(perplexity):
     """PyTorch's int4 kernels (bf16 activations) within 2% of the dense model, same file."""
     assert abs(perplexity("torch") / perplexity("dense") - 1) < 0.02
 
 
+@pytest.mark.slow
 def test_native_int4_perplexity_within_two_percent_of_dense(perplexity):
     """The native block kernels (int8 activations) within 1% of PyTorch's int4 kernels and
     within 2% of the dense model, same file."""

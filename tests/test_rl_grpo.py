@@ -39,6 +39,7 @@ def test_arithmetic_task_checks_exactly():
         GRPOConfig(rollout_dtype="int8").validate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rollout_dtype", "ratio_bound"), [("float32", 1e-3), ("bfloat16", 0.15)])
 def test_quick_grpo_bench(tmp_path, rollout_dtype, ratio_bound):
     """float32 rollouts are the trainer's numbers exactly; bfloat16 ones (both sides) stay
@@ -70,6 +71,7 @@ def test_quick_grpo_bench(tmp_path, rollout_dtype, ratio_bound):
     )
 
 
+@pytest.mark.slow
 def test_grpo_with_a_lora_adapter_keeps_engine_and_trainer_in_step():
     """The policy is a PEFT adapter: each step pushes only its tensors (`update_lora`), and
     the engine's rollout logprobs under the pushed adapter are HF + PEFT's (ratio 1 before

@@ -88,6 +88,7 @@ def first_run(tiny_chat_model, batch_file, tmp_path_factory) -> tuple[Path, str]
     return output, result.stderr
 
 
+@pytest.mark.slow
 def test_every_line_answered_as_alone_and_bad_lines_recorded(
     first_run, batch_file, tiny_chat_model
 ):
@@ -126,6 +127,7 @@ def test_every_line_answered_as_alone_and_bad_lines_recorded(
     assert "195 answered, 5 failed, 0 already done (of 200)" in stderr
 
 
+@pytest.mark.slow
 def test_rerun_resumes_a_torn_output_without_duplicates(first_run, batch_file, tiny_chat_model):
     complete, _ = first_run
     lines = complete.read_text().splitlines(keepends=True)

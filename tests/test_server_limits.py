@@ -103,6 +103,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(tiny_engine):
     assert tiny_engine.num_free_blocks == tiny_engine.num_usable_blocks
 
 
+@pytest.mark.slow
 def test_forklift_serve_prints_ready_and_serves(tmp_path):
     port = free_port()
     process = subprocess.Popen(

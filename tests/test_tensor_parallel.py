@@ -97,6 +97,7 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 30)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tp2_gives_the_tp1_tokens_on_tiny_models(arch, tmp_path):
     make_tiny_model(arch, tmp_path)
@@ -117,6 +118,7 @@ def _perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tenso
     ]
 
 
+@pytest.mark.slow
 def test_tp2_weight_updates_match_tp1(tmp_path):
     tiny = make_tiny_model("qwen2", tmp_path)  # biases and tied embeddings get sharded too
     prompts = _prompts(5)
@@ -138,6 +140,7 @@ def test_tp2_weight_updates_match_tp1(tmp_path):
         pair.shutdown()
 
 
+@pytest.mark.slow
 def test_tp2_on_the_default_model(default_source, default_llm_fp32):
     tokenizer = default_llm_fp32.get_tokenizer()
     prompts = [
@@ -155,6 +158,7 @@ def test_tp2_on_the_default_model(default_source, default_llm_fp32):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_tp2_sizes_its_kv_cache_by_profiling(tmp_path):
     """Without an explicit KV size every rank runs the profiling forward together."""
     make_tiny_model("llama", tmp_path)
@@ -171,6 +175,7 @@ def test_tp2_sizes_its_kv_cache_by_profiling(tmp_path):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_script_without_the_main_guard_fails_fast_and_says_so(tmp_path):
     """Spawned ranks re-import the main script; without the guard they die at import, and
     rank 0 must say so at once rather than wait out the group's timeout."""
@@ -200,6 +205,7 @@ def test_a_script_without_the_main_guard_fails_fast_and_says_so(tmp_path):
     assert time.monotonic() - started < 120
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_makes_rank_0_raise_with_its_exit_code(tmp_path):
     import os
     import signal
