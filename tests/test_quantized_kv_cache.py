@@ -407,7 +407,7 @@ def test_the_default_model_on_an_int8_cache(default_source):
     assert llm.llm_engine.prefix_cache_stats().hit_tokens >= 32
     # Close to the unquantized cache: the same greedy tokens, each chosen token's logprob a
     # few hundredths away on average (as the native step and the PyTorch layers are apart on
-    # this model); benchmarks/kv-cache-int8.md measures the whole distribution.
+    # this model); benchmarks/kv-cache-int8-quality.md measures the whole distribution.
     plain = _result(engine(), prompt, GREEDY)
     assert alone[0] == plain[0]
     gaps = [abs(alone[1][i][t] - plain[1][i][t]) for i, t in enumerate(plain[0])]
