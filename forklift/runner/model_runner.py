@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -14,7 +13,6 @@ from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.cpu import cpu_flags
-from forklift.model.gemma3 import Gemma3ForCausalLM
 from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
 from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.attention import AttentionMetadata
@@ -40,7 +38,7 @@ from forklift.model.quantize import (
     quantize_model,
     requantize,
 )
-from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
+from forklift.model.registry import build_model
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
@@ -916,39 +914,3 @@ def _profiled_layers(layers: nn.ModuleList) -> list[int]:
     for index, layer in enumerate(layers):
         firsts.setdefault((type(layer), getattr(layer, "is_full_attention", True)), index)
     return [index for index in sorted(firsts.values()) for _ in range(2)]
-
-
-# Architectures whose model class is not the plain Llama one.
-_MODEL_CLASSES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
-    {"qwen3_5": Qwen3_5ForCausalLM, "gemma3": Gemma3ForCausalLM}
-)
-
-
-def build_model(
-    config: ModelConfig,
-    weights: Callable[..., Iterable[tuple[str, torch.Tensor]]],
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    shard: TensorParallelShard | None = None,
-    from_blocks: Callable[[LlamaForCausalLM], set[str]] | None = None,
-) -> LlamaForCausalLM:
-    """The model with its weights. `from_blocks` gives layers their quantized copies straight
-    from the file before anything loads and names the checkpoint tensors that fed them:
-    those are never loaded dense (`weights(skip=...)` leaves them out)."""
-    # The layers skip random initialisation (the checkpoint fills every weight), so the model
-    # is built where it runs. Not on the meta device: its ops run Python reference kernels
-    # that import torch._dynamo, seconds of every start-up.
-    # By architecture, not by layer mix: a Qwen3.5 config of only full-attention layers still
-    # has gated attention and zero-centred norms.
-    model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
-    with torch.device(device):
-        model = model_class(config, max_positions, shard)
-    served = from_blocks(model) if from_blocks is not None else set()
-    model = model.to(dtype)
-    model.load_weights(weights(skip=served) if served else weights())
-    model.pack_weights()
-    # Rotary tables stay float32 (the cast above lowered them with the weights).
-    with torch.device(device):
-        model.make_rotary(max_positions)
-    return model.eval()
