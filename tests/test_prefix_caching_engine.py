@@ -147,7 +147,7 @@ def test_blocks_are_zeroed_before_their_first_read(tiny_dir):
     outputs = []
     for garbage in (0.0, float("nan")):
         llm = make_llm(tiny_dir)
-        llm.llm_engine.runner._kv_cache_tensor[:, :, :, 1:] = garbage  # null block 0 stays
+        llm.llm_engine.runner.cache.blocks[:, :, :, 1:] = garbage  # null block 0 stays
         outputs.append(token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)))
     assert outputs[1] == outputs[0]
 

@@ -53,13 +53,13 @@ from forklift.runner.attention_metadata import (
     build_attention_metadata,
     build_row_attention,
 )
+from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.draft_rows import expand_draft_rows
 from forklift.runner.linear_metadata import build_linear_metadata
 from forklift.runner.lora_store import LoRALimits, LoRAStore
 from forklift.runner.memory import (
-    RECURRENT_STATE_DTYPE,
     KVCachePlan,
     kv_block_bytes,
     measure_peak_bytes,
@@ -177,12 +177,7 @@ class ModelRunner:
         self.keep_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
         self._weight_updater = WeightUpdater(self.model)
-        # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
-        self.layer_caches: list[LayerCache] = []
-        self._kv_cache_tensor: torch.Tensor | None = None
-        self._conv_states: torch.Tensor | None = None
-        self._recurrent_states: torch.Tensor | None = None
-        self._unwritten_blocks = np.zeros(0, dtype=bool)
+        self.cache = CacheTensors(self.kv_layout, self.kv_format, block_size, dtype, device)
         self._sampling_batches = SamplingBatchReuse()
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
@@ -413,8 +408,9 @@ class ModelRunner:
         tables = [table] * len(self.kv_layout.windows)
         meta, _ = self._attention_metadata(np.array([0]), np.array([num_tokens]), tables)
         meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
-        all_layers, all_caches = self.model.layers, self.layer_caches
+        all_layers = self.model.layers
         chosen = _profiled_layers(all_layers)
+        caches = [self.layer_caches[i] for i in chosen]
         try:
             # A layer's transients are freed before the next layer starts, so the step's
             # peak is that of one layer of each kind: run those (twice, so a handover
@@ -423,9 +419,8 @@ class ModelRunner:
             # resident-size peak also counted the profile's own K/V writes to every layer
             # (94 MB): KV memory, budgeted apart.
             self.model.layers = nn.ModuleList(all_layers[i] for i in chosen)
-            self.layer_caches = [all_caches[i] for i in chosen]
             with torch.inference_mode():
-                hidden = self.model(ids, positions, self.layer_caches, meta)
+                hidden = self.model(ids, positions, caches, meta)
                 rows = min(max_num_seqs, num_tokens)
                 logits = self.model.compute_logits(hidden[-rows:])
                 # top-k / top-p hold every row sorted (values, int64 order) and its
@@ -438,7 +433,7 @@ class ModelRunner:
                 )
                 del sampler_rows
         finally:
-            self.model.layers, self.layer_caches = all_layers, all_caches
+            self.model.layers = all_layers
         self._free_kv_cache()
 
     @mirrored
@@ -481,62 +476,25 @@ class ModelRunner:
             kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
     def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
-        cfg = self.model.config  # this rank's KV heads
-        layout = self.kv_layout
-        # A block spans the layers of one KV group, each layer in its slot (model/kv_layout.py).
-        # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
-        # (layers/decode_attention.py).
-        shape = (
-            layout.layers_per_block, 2, cfg.num_kv_heads, num_blocks, self.block_size,
-            self.kv_format.row_elements(cfg.head_dim),
-        )  # fmt: skip
-        # torch.empty leaves pages untouched until a block is first used; only the null
-        # block, which pads every read, must hold zeros (others are zeroed on first use).
-        cache = torch.empty(shape, dtype=self.kv_format.storage, device=self.device)
-        cache[:, :, :, 0].zero_()
-        self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
-        self._unwritten_blocks[0] = False
-        self._kv_cache_tensor = cache
-        caches: dict[int, LayerCache] = {}
-        for group in layout.groups:
-            for slot, layer in enumerate(group.layers):
-                caches[layer] = (cache[slot, 0], cache[slot, 1])
-        caches.update(self._allocate_states(num_state_slots))
-        self.layer_caches = [caches[i] for i in range(cfg.num_layers)]
+        self.cache.allocate(self.model.config, num_blocks, num_state_slots)  # this rank's heads
         self._reset_captures()  # captures hold the old cache's addresses
 
-    def _allocate_states(self, num_slots: int) -> dict[int, LayerCache]:
-        """Per-sequence state slots of a hybrid model's linear layers (plus the zero slot)."""
-        cfg = self.model.config
-        shape = cfg.linear_attention
-        if shape is None or not cfg.is_hybrid:
-            return {}
-        layers, slots = len(cfg.linear_layers), num_slots + 1
-        history = shape.conv_kernel - 1
-        conv = torch.zeros(layers, slots, history, shape.conv_channels, dtype=self.dtype,
-                           device=self.device)  # fmt: skip
-        recurrent = torch.zeros(
-            layers, slots, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
-            dtype=RECURRENT_STATE_DTYPE, device=self.device,
-        )  # fmt: skip
-        self._conv_states, self._recurrent_states = conv, recurrent
-        return {layer: (conv[i], recurrent[i]) for i, layer in enumerate(cfg.linear_layers)}
+    @property
+    def layer_caches(self) -> list[LayerCache]:
+        """What the model reads, one entry per layer (empty while no cache is allocated)."""
+        return self.cache.layer_caches
 
     @property
     def kv_cache_bytes(self) -> int:
         """The KV blocks and, for a hybrid model, its state slots."""
-        tensors = (self._kv_cache_tensor, self._conv_states, self._recurrent_states)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return self.cache.nbytes
 
     @mirrored
     def free_kv_cache(self) -> None:
         self._free_kv_cache()
 
     def _free_kv_cache(self) -> None:
-        self.layer_caches = []
-        self._kv_cache_tensor = None
-        self._conv_states = self._recurrent_states = None
-        self._unwritten_blocks = np.zeros(0, dtype=bool)
+        self.cache.free()
         self._reset_captures()
 
     def _reset_captures(self) -> None:
@@ -654,18 +612,9 @@ class ModelRunner:
         the scores of the prompt rows asked for (None if none). `native`: a decode step
         the native step runs whole (see `_runs_native_step`)."""
         with torch.inference_mode():
-            if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
-                # Block by block, as the copies below: index_fill_ along the block dimension
-                # took 3-4x as long.
-                for block in inputs.fresh_blocks.tolist():
-                    self._kv_cache_tensor[:, :, :, block].zero_()
-            if inputs.state_copies is not None and inputs.state_copies.numel():
-                self._copy_states(inputs.state_copies)
-            if inputs.block_copies is not None and self._kv_cache_tensor is not None:
-                cache = self._kv_cache_tensor
-                # Block by block: index_copy_ along the block dimension is ten times slower.
-                for source, target in inputs.block_copies.tolist():
-                    cache[:, :, :, target].copy_(cache[:, :, :, source])
+            self.cache.write_before_step(
+                inputs.fresh_blocks, inputs.state_copies, inputs.block_copies
+            )
             if native:
                 return self._native_forward(inputs)
             if key is not None and self.decode_capture is not None:
@@ -729,12 +678,6 @@ class ModelRunner:
                 inputs.prompt_top,
             )
         return (output.logits if inputs.sample_index.numel() else None), scores
-
-    def _copy_states(self, copies: torch.Tensor) -> None:
-        source, target = copies[:, 0], copies[:, 1]
-        for states in (self._conv_states, self._recurrent_states):
-            if states is not None:
-                states.index_copy_(1, target, states.index_select(1, source))
 
     def _linear_metadata(
         self,
@@ -814,9 +757,7 @@ class ModelRunner:
             )
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
-        if block_pairs.size and self._unwritten_blocks.size:
-            # A copy fills its target whole: never zero it over the copy, now or later.
-            self._unwritten_blocks[block_pairs[:, 1]] = False
+        self.cache.mark_written(block_pairs[:, 1])
         ends = np.cumsum(query_lens)
         sample_index = (ends - 1)[sampling]
         inputs = StepInputs(
@@ -824,9 +765,9 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta,
             sample_index=torch.from_numpy(sample_index).to(self.device),
-            fresh_blocks=torch.from_numpy(self._take_unwritten(np.concatenate(tables, axis=1))).to(
-                self.device
-            ),
+            fresh_blocks=torch.from_numpy(
+                self.cache.take_unwritten(np.concatenate(tables, axis=1))
+            ).to(self.device),
             state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
             block_copies=(
                 torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
@@ -884,15 +825,6 @@ class ModelRunner:
         tables = _group_tables(scheduled, len(scheduled), 1)
         meta, positions = self._attention_metadata(starts, query_lens, tables)
         return meta, torch.from_numpy(positions).to(self.device)
-
-    def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
-        """The blocks of `table` never used since the cache was allocated, now marked used."""
-        if not self._unwritten_blocks.size:
-            return np.zeros(0, dtype=np.int64)
-        # Look up every entry, sort only the few new ones (most steps have none).
-        fresh = np.unique(table[self._unwritten_blocks[table]])
-        self._unwritten_blocks[fresh] = False
-        return fresh
 
 
 def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:
