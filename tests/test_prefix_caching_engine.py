@@ -133,10 +133,10 @@ def test_a_copied_block_is_never_zeroed_over(tiny_dir):
     table = list(scheduled[0].block_table)
     fresh = next(b for b in range(1, 64) if b not in table)
     scheduled[0].block_table = [*table, fresh]  # as a sample that took a copy reads it
-    inputs = runner.prepare_inputs(scheduled, block_copies=[(table[0], fresh)])
+    inputs = runner.input_builder.prepare(scheduled, block_copies=[(table[0], fresh)])
     assert fresh not in inputs.fresh_blocks.tolist()
     assert inputs.block_copies.tolist() == [[table[0], fresh]]
-    again = runner.prepare_inputs(scheduled)
+    again = runner.input_builder.prepare(scheduled)
     assert fresh not in again.fresh_blocks.tolist()
 
 

@@ -15,9 +15,7 @@ from forklift.core.scheduler_output import ScheduledChunk
 from forklift.cpu import cpu_flags
 from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
 from forklift.model.kv_layout import kv_layout
-from forklift.model.layers.attention import AttentionMetadata
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
-from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.native_binding import (
@@ -47,17 +45,11 @@ from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
-from forklift.runner.attention_metadata import (
-    DECODE_MIN_BLOCKS,
-    RowAttention,
-    build_attention_metadata,
-    build_row_attention,
-)
+from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS
 from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.draft_rows import expand_draft_rows
-from forklift.runner.linear_metadata import build_linear_metadata
 from forklift.runner.lora_store import LoRALimits, LoRAStore
 from forklift.runner.memory import (
     KVCachePlan,
@@ -69,42 +61,12 @@ from forklift.runner.memory import (
     trim_heap,
 )
 from forklift.runner.mirroring import RankMirror, mirrored
-from forklift.runner.prompt_scores import (
-    PromptScores,
-    prompt_rows_of,
-    score_prompt_rows,
-    split_prompt_scores,
-)
+from forklift.runner.prompt_scores import PromptScores, score_prompt_rows, split_prompt_scores
+from forklift.runner.step_inputs import StepInputBuilder, StepInputs
 from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.sampler import SamplerOutput, sample
 
 logger = logging.getLogger("forklift")
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    # The PyTorch layers' attention metadata; None for a step the native step runs, which
-    # reads `row_attention` instead.
-    meta: AttentionMetadata | None
-    # Flat index of the last token of each sequence that samples this step.
-    sample_index: torch.Tensor
-    # Blocks this step reads for the first time since the cache was allocated: zeroed first,
-    # since attention reads whole blocks and never-written memory may hold NaNs.
-    fresh_blocks: torch.Tensor
-    # Hybrid models: [n, 2] (source, target) state slots to copy before the step (a sample
-    # of n > 1 forks its prompt's state).
-    state_copies: torch.Tensor | None = None
-    # [n, 2] (source, target) KV blocks to copy before the step, every layer's (a sample of
-    # n > 1 takes its leader's partly filled last prompt block).
-    block_copies: torch.Tensor | None = None
-    # Prompt logprobs: flat rows scored, the prompt token each predicts, how many top tokens.
-    prompt_rows: torch.Tensor | None = None
-    prompt_targets: torch.Tensor | None = None
-    prompt_top: int = 0
-    # The native step's attention, one row per token, per KV group.
-    row_attention: list[RowAttention] | None = None
 
 
 @dataclass
@@ -189,6 +151,11 @@ class ModelRunner:
             self.decode_capture = DecodeCapture(
                 backend, self._captured_forward, capture_sizes, max_model_len
             )
+        self.input_builder = StepInputBuilder(
+            self.model.config, self.kv_layout, block_size=block_size,
+            sliding_window=sliding_window, device=device, cache=self.cache,
+            capture=self.decode_capture,
+        )  # fmt: skip
 
     # ---- memory -------------------------------------------------------------------------
     def plan_kv_cache(
@@ -406,8 +373,9 @@ class ModelRunner:
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
         # Every KV group writes the same blocks: this is a profile.
         tables = [table] * len(self.kv_layout.windows)
-        meta, _ = self._attention_metadata(np.array([0]), np.array([num_tokens]), tables)
-        meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
+        builder = self.input_builder
+        meta, _ = builder.attention_metadata(np.array([0]), np.array([num_tokens]), tables)
+        meta.linear = builder.linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
         all_layers = self.model.layers
         chosen = _profiled_layers(all_layers)
         caches = [self.layer_caches[i] for i in chosen]
@@ -581,10 +549,10 @@ class ModelRunner:
         block_copies: Sequence[tuple[int, int]],
     ) -> StepResult:
         native = self._runs_native_step(rows)
-        key = None if native else self._capture_key(rows)
+        key = None if native else self.input_builder.capture_key(rows)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
-        inputs = self.prepare_inputs(
+        inputs = self.input_builder.prepare(
             rows,
             pad_to=pad_to,
             kv_width=kv_width,
@@ -679,31 +647,6 @@ class ModelRunner:
             )
         return (output.logits if inputs.sample_index.numel() else None), scores
 
-    def _linear_metadata(
-        self,
-        starts: np.ndarray,
-        query_lens: np.ndarray,
-        slots: np.ndarray,
-        read_slots: np.ndarray | None = None,
-        continues: np.ndarray | None = None,
-    ) -> LinearAttentionMetadata | None:
-        shape = self.model.config.linear_attention
-        if shape is None or not self.model.config.is_hybrid:
-            return None
-        return build_linear_metadata(
-            starts, query_lens, slots, shape.conv_kernel, self.device, read_slots, continues
-        )
-
-    def _capture_key(self, scheduled: list[ScheduledChunk]) -> CaptureKey | None:
-        """The captured shape for a pure-decode step; None runs the step eagerly."""
-        capture = self.decode_capture
-        if capture is None or any(s.num_new_tokens != 1 for s in scheduled):
-            return None
-        key = capture.key_for(len(scheduled), max(s.start for s in scheduled) + 1)
-        if key is None:
-            capture.stats.eager_fallbacks += 1
-        return key
-
     def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
         return self.model(
             static.input_ids,
@@ -712,131 +655,6 @@ class ModelRunner:
             static.meta,
             self._captured_regions,
         )
-
-    def prepare_inputs(
-        self,
-        scheduled: list[ScheduledChunk],
-        *,
-        pad_to: int | None = None,
-        kv_width: int = 0,
-        state_copies: Sequence[tuple[int, int]] = (),
-        block_copies: Sequence[tuple[int, int]] = (),
-        native: bool = False,
-    ) -> StepInputs:
-        """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
-        block (they sample nothing); `kv_width` widens the key tensors to a fixed size;
-        `native`: the native step's per-token attention instead of the PyTorch layers'."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        ids = np.concatenate([np.asarray(s.token_ids) for s in scheduled]).astype(np.int64)
-        sampling = np.array([s.samples for s in scheduled], dtype=bool)
-        rows = len(scheduled) if pad_to is None else pad_to
-        padding = rows - len(scheduled)
-        if padding:
-            starts = np.concatenate([starts, np.zeros(padding, dtype=np.int64)])
-            query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
-            ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
-            sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
-        tables = _group_tables(scheduled, rows, len(self.kv_layout.windows))
-        row_attention = None
-        if native:
-            meta = None
-            row_attention, positions = build_row_attention(
-                starts, query_lens, tables, self._group_windows, self.block_size, self.device
-            )
-        else:
-            meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
-        count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
-        slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
-        # Rows verifying a hybrid's drafts read the state the row before them writes.
-        continues = np.array([s.state_read_slot >= 0 for s in scheduled], dtype=bool)
-        reads = np.where(continues, [s.state_read_slot for s in scheduled], slots)
-        if meta is not None:
-            meta.linear = self._linear_metadata(
-                starts[:count], query_lens[:count], slots, reads, continues
-            )
-        copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
-        block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
-        self.cache.mark_written(block_pairs[:, 1])
-        ends = np.cumsum(query_lens)
-        sample_index = (ends - 1)[sampling]
-        inputs = StepInputs(
-            input_ids=torch.from_numpy(ids).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
-            meta=meta,
-            sample_index=torch.from_numpy(sample_index).to(self.device),
-            fresh_blocks=torch.from_numpy(
-                self.cache.take_unwritten(np.concatenate(tables, axis=1))
-            ).to(self.device),
-            state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
-            block_copies=(
-                torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
-            ),
-            row_attention=row_attention,
-        )
-        asked = prompt_rows_of(scheduled, ends - query_lens)
-        if asked is not None:
-            rows, targets, inputs.prompt_top = asked
-            inputs.prompt_rows = torch.from_numpy(rows).to(self.device)
-            inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
-        return inputs
-
-    @property
-    def _group_windows(self) -> list[int | None]:
-        """Each KV group's window (Mistral's uniform one for the first)."""
-        windows = list(self.kv_layout.windows)
-        return [self.sliding_window or windows[0], *windows[1:]]
-
-    def _attention_metadata(
-        self,
-        starts: np.ndarray,
-        query_lens: np.ndarray,
-        tables: list[np.ndarray],
-        kv_width: int = 0,
-    ) -> tuple[AttentionMetadata, np.ndarray]:
-        """The first KV group's metadata (with Mistral's uniform window, or the group's) and
-        each token's position; with several groups, every group's metadata as `kv_groups`."""
-        windows = self.kv_layout.windows
-        meta, positions = build_attention_metadata(
-            starts,
-            query_lens,
-            tables[0],
-            self.block_size,
-            self.sliding_window or windows[0],
-            self.device,
-            kv_width,
-        )
-        if len(tables) > 1:
-            meta.kv_groups = [meta] + [
-                build_attention_metadata(
-                    starts, query_lens, table, self.block_size, window, self.device, kv_width
-                )[0]
-                for table, window in zip(tables[1:], windows[1:], strict=True)
-            ]
-        return meta, positions
-
-    def attention_inputs(
-        self, scheduled: list[ScheduledChunk]
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Attention metadata and positions of chunks a drafter runs over the target's
-        blocks in a cache of its own (the target's first-use bookkeeping is left alone)."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        tables = _group_tables(scheduled, len(scheduled), 1)
-        meta, positions = self._attention_metadata(starts, query_lens, tables)
-        return meta, torch.from_numpy(positions).to(self.device)
-
-
-def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:
-    """Each KV group's block tables as one [rows, width] array (padding rows: the null
-    block)."""
-    per_row = [s.group_tables or (s.block_table,) for s in scheduled]
-    width = max(len(t[0]) for t in per_row)
-    tables = [np.zeros((rows, width), dtype=np.int64) for _ in range(num_groups)]
-    for row, chunk_tables in enumerate(per_row):
-        for group, table in enumerate(chunk_tables):
-            tables[group][row, : len(table)] = table
-    return tables
 
 
 def _profiled_layers(layers: nn.ModuleList) -> list[int]:
