@@ -12,25 +12,19 @@ import torch
 from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
-from forklift.cpu import cpu_flags
 from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
 from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.native_binding import (
-    DENSE_STEP_MAX_ROWS,
-    SPLIT_STEP_MAX_ROWS,
     StepBinding,
-    dense_tile_bytes,
     native_step_peak_bytes,
-    unsupported_reason,
 )
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
     QuantizationReport,
-    drop_dense_copies,
     materialize_dense,
     quantize_from_file,
     quantize_model,
@@ -40,12 +34,12 @@ from forklift.model.registry import build_model
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
-from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS
+from forklift.runner.backend import StepBackend
 from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
@@ -58,7 +52,6 @@ from forklift.runner.memory import (
     module_bytes,
     plan_kv_cache,
     total_device_memory,
-    trim_heap,
 )
 from forklift.runner.mirroring import RankMirror, mirrored
 from forklift.runner.prompt_scores import PromptScores, score_prompt_rows, split_prompt_scores
@@ -114,10 +107,9 @@ class ModelRunner:
         self.weights = weights
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
-        self.decode_backend = decode_backend
         self.batch_invariant = batch_invariant
         self._embedding_updated = False  # an update changed a tied embedding (see below)
-        self.quant_kernel = self._load_quant_kernel(decode_backend)
+        self.backend = StepBackend(decode_backend, quantization, device, batch_invariant)
         self.tp = tp
         self.mirror = RankMirror(tp)
         self.shard = (
@@ -127,7 +119,7 @@ class ModelRunner:
         self.model = self._build_model()
         if lora is not None:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
-        self.native_step = self._load_native_step()
+        self.backend.load_native_step(self.model)
         self._drop_dense_copies()
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
@@ -204,33 +196,32 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         return (module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
-                + self._dense_tile_bytes)  # fmt: skip
+                + self.backend.dense_tile_bytes(self.model))  # fmt: skip
+
+    # ---- the backend (runner/backend.py), as callers and tests read it ------------------
+    @property
+    def quant_kernel(self) -> QuantMatmulKernel | None:
+        return self.backend.quant_kernel
 
     @property
-    def _dense_step(self) -> bool:
-        """The native step runs dense bf16 tiles (it loads on block weights only where the
-        block kernels do)."""
-        return self.native_step is not None and self.quant_kernel is None
+    def native_step(self) -> NativeDecodeStep | None:
+        return self.backend.native_step
+
+    @native_step.setter
+    def native_step(self, step: NativeDecodeStep | None) -> None:
+        self.backend.native_step = step  # None: the PyTorch layers from the next step on
 
     @property
     def one_forward(self) -> bool:
-        """The native step runs every step on the model's block weights."""
-        return self.native_step is not None and not self._dense_step and self.batch_invariant
+        return self.backend.one_forward
 
     @property
     def native_step_max_rows(self) -> int | None:
-        """Most rows a native step runs: 0 without one, None (any) with one forward, else
-        the decode steps' limit (dense tiles', or block weights' beside dense copies)."""
-        if self.native_step is None:
-            return 0
-        if self.one_forward:
-            return None
-        return DENSE_STEP_MAX_ROWS if self._dense_step else SPLIT_STEP_MAX_ROWS
+        return self.backend.native_step_max_rows
 
     @property
-    def _dense_tile_bytes(self) -> int:
-        """The native step's packed copy of dense bf16 weights (the weights' size again)."""
-        return dense_tile_bytes(self.model) if self._dense_step else 0
+    def decode_path(self) -> str:
+        return self.backend.decode_path
 
     @property
     def kv_block_bytes(self) -> int:
@@ -267,95 +258,10 @@ class ModelRunner:
             self.lora.attach(model)
         return model
 
-    @property
-    def decode_path(self) -> str:
-        """What runs a small decode step: "native step" (one call), "native matmuls" (the
-        PyTorch layers on the native block kernels) or "torch"."""
-        if self.native_step is not None:
-            return "native step"
-        return "native matmuls" if self.quant_kernel is not None else "torch"
-
     def _drop_dense_copies(self) -> None:
-        """Where the native step runs every step on the blocks, the dense copies of block
-        weights serve nothing: release them (the memory plan then counts the blocks)."""
-        if not self.one_forward:
-            return
-        # The tied head's blocks hold the file's embedding exactly until an update changes
-        # it (then the head is a rounding of the new embedding, which stays dense).
-        tied = ("lm_head (tied)", "gguf blocks")
-        exact = tied in [(t.name, t.source) for t in self.quantization_report.tensors]
-        drop_dense_copies(self.model, embedding_in_head=exact and not self._embedding_updated)
-        self.quantization_report.dense_bytes = 0
-        trim_heap()
-
-    def _load_native_step(self) -> NativeDecodeStep | None:
-        """One native call per decode step where the model and its weights allow it: block-
-        quantized weights, or dense bf16 ones where the CPU has AMX tiles."""
-        if self.quant_kernel is None:
-            return self._load_dense_native_step()
-        reason = unsupported_reason(self.model)
-        step = NativeDecodeStep.load() if reason is None else None
-        if reason is None and step is None:
-            reason = "the step library did not build"
-        if step is None:
-            logger.info("decode step: PyTorch layers with native block matmuls (%s)", reason)
-        else:
-            if self.batch_invariant:
-                logger.info("every step: one native call on the block weights (any rows)")
-            else:
-                logger.info(
-                    "decode step: one native call for up to %d rows; prefill on dense copies "
-                    "(batch_invariant off)", SPLIT_STEP_MAX_ROWS,
-                )  # fmt: skip
-        return step
-
-    def _load_dense_native_step(self) -> NativeDecodeStep | None:
-        """The native step on dense bf16 weights: decode_backend auto, no quantization, a
-        CPU with AMX; None (the PyTorch layers, logged) otherwise."""
-        if (
-            self.decode_backend != "auto"
-            or self.quantization.enabled
-            or self.device.type != "cpu"
-            or "amx_bf16" not in cpu_flags()
-        ):
-            return None  # the torch path, as the block kernels' log line said
-        reason = unsupported_reason(self.model, dense_tiles=True)
-        step = NativeDecodeStep.load() if reason is None else None
-        if reason is None and step is None:
-            reason = "the step library did not build"
-        elif step is not None and not step.dense_tiles:
-            reason, step = "the kernel grants no AMX tile state", None
-        if reason is not None:
-            logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
-            return None
-        logger.info(
-            "decode step: one native call on dense bf16 AMX tiles for up to %d rows",
-            DENSE_STEP_MAX_ROWS,
+        self.backend.drop_dense_copies(
+            self.model, self.quantization_report, self._embedding_updated
         )
-        return step
-
-    def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
-        """The native block kernels where the backend and this machine allow them."""
-        if decode_backend == "native" and not self.quantization.enabled:
-            raise ValueError(
-                "decode_backend='native' runs quantized weights, and this engine's "
-                "quantization resolved to 'none'; use 'auto'"
-            )
-        if decode_backend == "torch" or not self.quantization.enabled:
-            return None
-        if self.device.type != "cpu":
-            if decode_backend == "native":
-                raise ValueError("decode_backend='native' runs on a CPU only; use 'auto'")
-            return None
-        kernel = QuantMatmulKernel.load()
-        if kernel is None:
-            if decode_backend == "native":
-                raise ValueError(
-                    "decode_backend='native' needs the native kernels, which did not build "
-                    f"here (no C compiler, or {DISABLE_ENV}=0); use 'auto' or 'torch'"
-                )
-            logger.info("native block kernels unavailable: quantized layers use PyTorch's")
-        return kernel
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks: their serving loops end."""
@@ -548,7 +454,7 @@ class ModelRunner:
         state_copies: Sequence[tuple[int, int]],
         block_copies: Sequence[tuple[int, int]],
     ) -> StepResult:
-        native = self._runs_native_step(rows)
+        native = self.backend.runs_native_step(rows)
         key = None if native else self.input_builder.capture_key(rows)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
@@ -578,7 +484,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, PromptScores | None]:
         """The model on one step's inputs: logits of the sampling rows (None if none), and
         the scores of the prompt rows asked for (None if none). `native`: a decode step
-        the native step runs whole (see `_runs_native_step`)."""
+        the native step runs whole (see `StepBackend.runs_native_step`)."""
         with torch.inference_mode():
             self.cache.write_before_step(
                 inputs.fresh_blocks, inputs.state_copies, inputs.block_copies
@@ -606,20 +512,6 @@ class ModelRunner:
             if inputs.sample_index.numel() == 0:
                 return None, scores
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
-
-    def _runs_native_step(self, scheduled: list[ScheduledChunk]) -> bool:
-        """With one forward, every step (one arithmetic whatever the step holds); else a
-        decode step of few rows, each sampling its one new token."""
-        if self.native_step is None or not scheduled:
-            return False
-        if self.one_forward:
-            return True
-        limit = self.native_step_max_rows
-        return (
-            limit is not None
-            and len(scheduled) <= limit
-            and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt for s in scheduled)
-        )
 
     def _native_forward(
         self, inputs: StepInputs
