@@ -1,7 +1,7 @@
 """Which kernels run a runner's steps: the native step (one call per step, on block weights or
 on dense bf16 AMX tiles), the PyTorch layers on the native block matmuls, or PyTorch alone.
 Chosen and loaded once, from the decode backend asked for, the quantization and this
-machine."""
+machine; the native step is bound to the weights and cache here and run on a step's inputs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.cpu import cpu_flags
-from forklift.model.llama import LlamaForCausalLM
+from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.native_binding import (
     DENSE_STEP_MAX_ROWS,
     SPLIT_STEP_MAX_ROWS,
+    StepBinding,
     dense_tile_bytes,
     unsupported_reason,
 )
@@ -23,6 +24,8 @@ from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.memory import trim_heap
+from forklift.runner.prompt_scores import PromptScores, score_prompt_rows
+from forklift.runner.step_inputs import StepInputs
 
 logger = logging.getLogger("forklift")
 
@@ -45,6 +48,10 @@ class StepBackend:
         self.batch_invariant = batch_invariant
         self.quant_kernel = self._load_quant_kernel()
         self.native_step: NativeDecodeStep | None = None  # see load_native_step
+        self.binding: StepBinding | None = None  # bound with the KV cache (see bind)
+        # Dense tiles' buffer carried from a binding to the next across weight updates.
+        self._dense_buffer: torch.Tensor | None = None
+        self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
 
     @property
     def decode_path(self) -> str:
@@ -107,6 +114,54 @@ class StepBackend:
         drop_dense_copies(model, embedding_in_head=exact and not embedding_updated)
         report.dense_bytes = 0
         trim_heap()
+
+    def bind(self, model: LlamaForCausalLM, layer_caches: list[LayerCache]) -> None:
+        """Bind the native step to the weights and the cache now (dense weights are packed
+        here), not in the first request."""
+        if self.native_step is not None and self.binding is None:
+            self.binding = StepBinding(model, layer_caches, self._dense_buffer)
+            self._dense_buffer = None  # the binding holds it now
+
+    def unbind(self) -> None:
+        """The binding points into the old weights or cache; its dense tiles (no cache
+        pointers) are kept for the next binding to pack into."""
+        if self.binding is not None:
+            self._dense_buffer = self.binding.dense_buffer
+        self.binding = None
+
+    def drop_tiles(self) -> None:
+        """The tiles copy the weights: released with them."""
+        self._dense_buffer = None
+
+    def forward(
+        self,
+        model: LlamaForCausalLM,
+        layer_caches: list[LayerCache],
+        inputs: StepInputs,
+        row_lora: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """The native step on a step's inputs: logits of the sampling rows (None if none)
+        and the asked prompt rows' scores. `row_lora`: each token's adapter slot, if any."""
+        assert self.native_step is not None and inputs.row_attention is not None
+        self.bind(model, layer_caches)  # again after the weights or the cache changed
+        assert self.binding is not None
+        self.native_steps += 1
+        groups = [(g.slot_mapping, g.kv_blocks, g.bias) for g in inputs.row_attention]
+        scoring = inputs.prompt_rows is not None and inputs.prompt_targets is not None
+        output = self.native_step(
+            self.binding, inputs.input_ids, inputs.positions, groups, row_lora,
+            logit_rows=inputs.sample_index, keep_hidden=scoring,
+        )  # fmt: skip
+        scores = None
+        if scoring:
+            assert output.hidden is not None
+            scores = score_prompt_rows(
+                model.compute_logits,
+                output.hidden[inputs.prompt_rows],
+                inputs.prompt_targets,
+                inputs.prompt_top,
+            )
+        return (output.logits if inputs.sample_index.numel() else None), scores
 
     def load_native_step(self, model: LlamaForCausalLM) -> None:
         """One native call per decode step where the model and its weights allow it: block-

@@ -18,7 +18,6 @@ from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAtte
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.native_binding import (
-    StepBinding,
     native_step_peak_bytes,
 )
 from forklift.model.quantize import (
@@ -123,10 +122,6 @@ class ModelRunner:
         self._drop_dense_copies()
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
-        self._step_binding: StepBinding | None = None  # bound on the first native step
-        # Dense tiles' buffer carried from a binding to the next across weight updates.
-        self._dense_buffer: torch.Tensor | None = None
-        self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
         # Speculation by MTP reads every token's final hidden state of the last step.
         self.keep_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
@@ -210,6 +205,10 @@ class ModelRunner:
     @native_step.setter
     def native_step(self, step: NativeDecodeStep | None) -> None:
         self.backend.native_step = step  # None: the PyTorch layers from the next step on
+
+    @property
+    def native_steps(self) -> int:
+        return self.backend.native_steps
 
     @property
     def one_forward(self) -> bool:
@@ -314,14 +313,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._allocate_kv_cache(num_blocks, num_state_slots)
         self._warm_up_decode_attention()
-        self._bind_native_step()
-
-    def _bind_native_step(self) -> None:
-        """Bind the native step to the weights and the new cache now (dense weights are
-        packed here), not in the first request."""
-        if self.native_step is not None and self._step_binding is None:
-            self._step_binding = StepBinding(self.model, self.layer_caches, self._dense_buffer)
-            self._dense_buffer = None  # the binding holds it now
+        self.backend.bind(self.model, self.layer_caches)  # the new cache, not the first request's
 
     def _warm_up_decode_attention(self) -> None:
         """Compile the in-place decode kernel for this model's shapes now rather than in the
@@ -372,11 +364,7 @@ class ModelRunner:
         self._reset_captures()
 
     def _reset_captures(self) -> None:
-        # The binding points into the old weights or cache; its dense tiles (no cache
-        # pointers) are kept for the next binding to pack into, unless the weights went.
-        if self._step_binding is not None:
-            self._dense_buffer = self._step_binding.dense_buffer
-        self._step_binding = None
+        self.backend.unbind()  # the binding points into the old weights or cache
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
@@ -386,7 +374,7 @@ class ModelRunner:
         self._weight_updater.discard()
         self.model.unpack_weights()
         self._reset_captures()
-        self._dense_buffer = None  # the tiles copy the weights: released with them
+        self.backend.drop_tiles()
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -422,7 +410,7 @@ class ModelRunner:
         self.model.pack_weights()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
-            self._bind_native_step()
+            self.backend.bind(self.model, self.layer_caches)
         return applied
 
     @property
@@ -490,7 +478,9 @@ class ModelRunner:
                 inputs.fresh_blocks, inputs.state_copies, inputs.block_copies
             )
             if native:
-                return self._native_forward(inputs)
+                rows = self.lora.context.rows if self.lora is not None else None
+                row_lora = rows.token_slots if rows is not None else None
+                return self.backend.forward(self.model, self.layer_caches, inputs, row_lora)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -512,32 +502,6 @@ class ModelRunner:
             if inputs.sample_index.numel() == 0:
                 return None, scores
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
-
-    def _native_forward(
-        self, inputs: StepInputs
-    ) -> tuple[torch.Tensor | None, PromptScores | None]:
-        assert self.native_step is not None and inputs.row_attention is not None
-        self._bind_native_step()  # again after the weights or the cache changed
-        assert self._step_binding is not None
-        self.native_steps += 1
-        groups = [(g.slot_mapping, g.kv_blocks, g.bias) for g in inputs.row_attention]
-        rows = self.lora.context.rows if self.lora is not None else None
-        row_lora = rows.token_slots if rows is not None else None
-        scoring = inputs.prompt_rows is not None and inputs.prompt_targets is not None
-        output = self.native_step(
-            self._step_binding, inputs.input_ids, inputs.positions, groups, row_lora,
-            logit_rows=inputs.sample_index, keep_hidden=scoring,
-        )  # fmt: skip
-        scores = None
-        if scoring:
-            assert output.hidden is not None
-            scores = score_prompt_rows(
-                self.model.compute_logits,
-                output.hidden[inputs.prompt_rows],
-                inputs.prompt_targets,
-                inputs.prompt_top,
-            )
-        return (output.logits if inputs.sample_index.numel() else None), scores
 
     def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
         return self.model(
