@@ -9,7 +9,6 @@ from functools import partial
 
 import numpy as np
 import torch
-from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
@@ -37,6 +36,7 @@ from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
+from forklift.runner.activation_profile import run_largest_step
 from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS
 from forklift.runner.backend import StepBackend
 from forklift.runner.cache_tensors import CacheTensors
@@ -273,40 +273,13 @@ class ModelRunner:
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(blocks, 1)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
         # Every KV group writes the same blocks: this is a profile.
         tables = [table] * len(self.kv_layout.windows)
         builder = self.input_builder
         meta, _ = builder.attention_metadata(np.array([0]), np.array([num_tokens]), tables)
         meta.linear = builder.linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
-        all_layers = self.model.layers
-        chosen = _profiled_layers(all_layers)
-        caches = [self.layer_caches[i] for i in chosen]
-        try:
-            # A layer's transients are freed before the next layer starts, so the step's
-            # peak is that of one layer of each kind: run those (twice, so a handover
-            # between layers is in it too), not all of them. A 2048-token fp32 forward
-            # through SmolLM2's 30 layers took 8 s of start-up on two cores, and its
-            # resident-size peak also counted the profile's own K/V writes to every layer
-            # (94 MB): KV memory, budgeted apart.
-            self.model.layers = nn.ModuleList(all_layers[i] for i in chosen)
-            with torch.inference_mode():
-                hidden = self.model(ids, positions, caches, meta)
-                rows = min(max_num_seqs, num_tokens)
-                logits = self.model.compute_logits(hidden[-rows:])
-                # top-k / top-p hold every row sorted (values, int64 order) and its
-                # probabilities: their memory, written. (Sorting took 0.7 s of start-up for
-                # 256 rows of 49k logits, and its own scratch is no larger than a copy.)
-                sampler_rows = (
-                    torch.zeros_like(logits),
-                    torch.zeros(logits.shape, dtype=torch.int64),
-                    torch.zeros_like(logits),
-                )
-                del sampler_rows
-        finally:
-            self.model.layers = all_layers
+        run_largest_step(self.model, self.layer_caches, meta, num_tokens, max_num_seqs, self.device)
         self._free_kv_cache()
 
     @mirrored
@@ -511,12 +484,3 @@ class ModelRunner:
             static.meta,
             self._captured_regions,
         )
-
-
-def _profiled_layers(layers: nn.ModuleList) -> list[int]:
-    """Indices of the first layer of each kind (a Llama has one kind, a hybrid model full
-    and linear attention), each twice."""
-    firsts: dict[tuple[type, bool], int] = {}
-    for index, layer in enumerate(layers):
-        firsts.setdefault((type(layer), getattr(layer, "is_full_attention", True)), index)
-    return [index for index in sorted(firsts.values()) for _ in range(2)]
