@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from forklift.core.scheduler_output import ScheduledChunk
-from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
+from forklift.model.kv_cache_dtype import kv_cache_format
 from forklift.model.kv_layout import kv_layout
-from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
+from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
 from forklift.model.native_binding import (
@@ -37,7 +37,6 @@ from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
 from forklift.runner.activation_profile import run_largest_step
-from forklift.runner.attention_metadata import DECODE_MIN_BLOCKS
 from forklift.runner.backend import StepBackend
 from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
@@ -55,6 +54,7 @@ from forklift.runner.memory import (
 from forklift.runner.mirroring import RankMirror, mirrored
 from forklift.runner.prompt_scores import PromptScores, score_prompt_rows, split_prompt_scores
 from forklift.runner.step_inputs import StepInputBuilder, StepInputs
+from forklift.runner.warm_up import warm_up_decode_attention
 from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.sampler import SamplerOutput, sample
 
@@ -285,34 +285,10 @@ class ModelRunner:
     @mirrored
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._allocate_kv_cache(num_blocks, num_state_slots)
-        self._warm_up_decode_attention()
+        warm_up_decode_attention(
+            self.model, self.layer_caches, self.block_size, self.dtype, self.device
+        )
         self.backend.bind(self.model, self.layer_caches)  # the new cache, not the first request's
-
-    def _warm_up_decode_attention(self) -> None:
-        """Compile the in-place decode kernel for this model's shapes now rather than in the
-        first request; later calls, and later engines in the same process, find it compiled."""
-        cfg = self.model.config
-        if not cfg.attention_layers:
-            return
-        layer = cfg.attention_layers[0]
-        kernel = self.model.layers[layer].decode_attention
-        if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
-            return
-        key_cache, value_cache = self.layer_caches[layer]
-        if is_quantized_cache(key_cache):
-            return  # an int8 cache's rows are read by gathering (nothing to compile)
-        # Queries come in the cache's dtype, so the cache stands in for them here.
-        if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
-            return  # the native kernel serves every decode step: nothing to compile
-        seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
-        # As in a step: index tensors built outside inference mode, queries inside it (dynamo
-        # guards on the difference).
-        blocks = torch.zeros(seqs, width, dtype=torch.int64, device=self.device)
-        bias = torch.zeros(seqs, width * self.block_size, device=self.device)
-        with torch.inference_mode():
-            q = torch.zeros(seqs, cfg.num_heads, cfg.head_dim, dtype=self.dtype,
-                            device=self.device)  # fmt: skip
-            kernel(q, key_cache, value_cache, blocks, bias, 1.0)
 
     def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self.cache.allocate(self.model.config, num_blocks, num_state_slots)  # this rank's heads
