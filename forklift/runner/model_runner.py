@@ -1,8 +1,12 @@
-"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens."""
+"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens.
+
+The runner drives its parts: the backend (runner/backend.py: which kernels run a step), the
+cache tensors (runner/cache_tensors.py), the step inputs (runner/step_inputs.py) and the
+model built by model/registry.py. Every call that touches the model is `@mirrored` to the
+other tensor-parallel ranks (runner/mirroring.py)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,9 +20,7 @@ from forklift.model.kv_layout import kv_layout
 from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
-from forklift.model.native_binding import (
-    native_step_peak_bytes,
-)
+from forklift.model.native_binding import native_step_peak_bytes
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
@@ -58,8 +60,6 @@ from forklift.runner.warm_up import warm_up_decode_attention
 from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.sampler import SamplerOutput, sample
 
-logger = logging.getLogger("forklift")
-
 
 @dataclass
 class StepResult:
@@ -72,6 +72,10 @@ class StepResult:
 
 
 class ModelRunner:
+    """One model on one device (one tensor-parallel rank's shard): its weights' life (built,
+    freed, reloaded, updated in place), its KV cache's memory plan and allocation, and each
+    scheduled step run through the backend's kernels and sampled."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -107,7 +111,8 @@ class ModelRunner:
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
         self.batch_invariant = batch_invariant
-        self._embedding_updated = False  # an update changed a tied embedding (see below)
+        # An update changed a tied embedding (see StepBackend.drop_dense_copies).
+        self._embedding_updated = False
         self.backend = StepBackend(decode_backend, quantization, device, batch_invariant)
         self.tp = tp
         self.mirror = RankMirror(tp)
@@ -130,13 +135,13 @@ class ModelRunner:
         self._sampling_batches = SamplingBatchReuse()
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
-            backend = backend_for(device)
+            recorder = backend_for(device)
             # CUDA graphs record the eager kernels; a CPU compiles the layers' dense regions.
             self._captured_regions = (
-                EAGER_REGIONS if isinstance(backend, CudaGraphBackend) else compiled_regions()
+                EAGER_REGIONS if isinstance(recorder, CudaGraphBackend) else compiled_regions()
             )
             self.decode_capture = DecodeCapture(
-                backend, self._captured_forward, capture_sizes, max_model_len
+                recorder, self._captured_forward, capture_sizes, max_model_len
             )
         self.input_builder = StepInputBuilder(
             self.model.config, self.kv_layout, block_size=block_size,
@@ -193,6 +198,22 @@ class ModelRunner:
         return (module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
                 + self.backend.dense_tile_bytes(self.model))  # fmt: skip
 
+    @property
+    def kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.model.config, self.kv_format, self.block_size)
+
+    @property
+    def _lora_bytes(self) -> int:
+        """The adapter slots: allocated before the KV cache is sized."""
+        return 0 if self.lora is None else self.lora.nbytes
+
+    def _memory_share(self) -> int:
+        """The memory this rank may plan with: tensor-parallel ranks on a CPU share its RAM."""
+        total = total_device_memory(self.device)
+        if self.tp is not None and self.device.type == "cpu":
+            return total // self.tp.world_size
+        return total
+
     # ---- the backend (runner/backend.py), as callers and tests read it ------------------
     @property
     def quant_kernel(self) -> QuantMatmulKernel | None:
@@ -222,22 +243,7 @@ class ModelRunner:
     def decode_path(self) -> str:
         return self.backend.decode_path
 
-    @property
-    def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.model.config, self.kv_format, self.block_size)
-
-    @property
-    def _lora_bytes(self) -> int:
-        """The adapter slots: allocated before the KV cache is sized."""
-        return 0 if self.lora is None else self.lora.nbytes
-
-    def _memory_share(self) -> int:
-        """The memory this rank may plan with: tensor-parallel ranks on a CPU share its RAM."""
-        total = total_device_memory(self.device)
-        if self.tp is not None and self.device.type == "cpu":
-            return total // self.tp.world_size
-        return total
-
+    # ---- the model and its cache --------------------------------------------------------
     def _build_model(self) -> LlamaForCausalLM:
         # One forward keeps no dense copy of a weight the file's blocks serve: those never
         # load dense (a 3B Q4_K_M file peaked at 20.6 GiB when they did).
