@@ -181,7 +181,7 @@ def test_padded_rows_decode_in_the_null_block_and_sample_nothing(tmp_path):
     engine.add_request(None, [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # prefill
     scheduled = engine.scheduler.schedule().scheduled
-    inputs = engine.runner.prepare_inputs(scheduled, pad_to=4, kv_width=64)
+    inputs = engine.runner.input_builder.prepare(scheduled, pad_to=4, kv_width=64)
     assert inputs.input_ids.tolist()[1:] == [0, 0, 0]
     assert inputs.positions.tolist() == [5, 0, 0, 0]
     assert inputs.meta.slot_mapping.tolist()[1:] == [0, 0, 0]

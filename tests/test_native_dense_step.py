@@ -118,7 +118,7 @@ def test_dense_step_follows_weight_updates(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     changed = -0.5 * tiny.hf_model.state_dict()[name]
     llm.update_weights([(name, changed)])
-    assert llm.llm_engine.runner._step_binding is not None  # packed in the update itself
+    assert llm.llm_engine.runner.backend.binding is not None  # packed in the update itself
     save_with_weight(tiny, tmp_path / "a", tmp_path / "b", name, changed)
     after = _generate(llm, prompts)
     fresh = _generate(_engine(tmp_path / "b"), prompts)

@@ -133,10 +133,10 @@ def test_a_copied_block_is_never_zeroed_over(tiny_dir):
     table = list(scheduled[0].block_table)
     fresh = next(b for b in range(1, 64) if b not in table)
     scheduled[0].block_table = [*table, fresh]  # as a sample that took a copy reads it
-    inputs = runner.prepare_inputs(scheduled, block_copies=[(table[0], fresh)])
+    inputs = runner.input_builder.prepare(scheduled, block_copies=[(table[0], fresh)])
     assert fresh not in inputs.fresh_blocks.tolist()
     assert inputs.block_copies.tolist() == [[table[0], fresh]]
-    again = runner.prepare_inputs(scheduled)
+    again = runner.input_builder.prepare(scheduled)
     assert fresh not in again.fresh_blocks.tolist()
 
 
@@ -147,7 +147,7 @@ def test_blocks_are_zeroed_before_their_first_read(tiny_dir):
     outputs = []
     for garbage in (0.0, float("nan")):
         llm = make_llm(tiny_dir)
-        llm.llm_engine.runner._kv_cache_tensor[:, :, :, 1:] = garbage  # null block 0 stays
+        llm.llm_engine.runner.cache.blocks[:, :, :, 1:] = garbage  # null block 0 stays
         outputs.append(token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)))
     assert outputs[1] == outputs[0]
 

@@ -310,7 +310,7 @@ def _teacher_forced_logprobs(llm: LLM, ids: list[int], chunk: int) -> list[float
     """Log p(ids[i + 1] | ids[: i + 1]) from the engine's model, `chunk` tokens per forward
     (at most QUANTIZED_MAX_ROWS: the decode-sized path)."""
     runner = llm.llm_engine.runner
-    runner._kv_cache_tensor.zero_()
+    runner.cache.blocks.zero_()
     block = runner.block_size
     table = np.arange(1, len(ids) // block + 2, dtype=np.int64)[None, :]
     out = []

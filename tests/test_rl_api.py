@@ -124,7 +124,7 @@ def test_sleep_frees_and_wake_up_restores(llm):
     before = greedy_ids(llm)
     kv_bytes = engine.runner.kv_cache_bytes
     assert kv_bytes == engine.kv_plan.num_blocks * engine.kv_plan.bytes_per_block
-    cache_ref = weakref.ref(engine.runner._kv_cache_tensor)
+    cache_ref = weakref.ref(engine.runner.cache.blocks)
     llm.sleep(1)
     assert engine.runner.kv_cache_bytes == 0 and cache_ref() is None  # the storage is gone
     with pytest.raises(ValueError, match="asleep"):

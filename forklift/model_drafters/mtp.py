@@ -254,7 +254,7 @@ class MtpProposer:
 
     def _forward(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
         assert self.cache is not None
-        meta, positions = self.runner.attention_inputs(chunks)
+        meta, positions = self.runner.input_builder.attention_inputs(chunks)
         ids = [t for chunk in chunks for t in chunk.token_ids]
         embedded = self.runner.model.embed_tokens(
             torch.tensor(ids, dtype=torch.int64, device=self.runner.device)

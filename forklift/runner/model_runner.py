@@ -1,112 +1,64 @@
-"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens."""
+"""Owns the model and its paged KV cache; turns a scheduled batch into sampled tokens.
+
+The runner drives its parts: the backend (runner/backend.py: which kernels run a step), the
+cache tensors (runner/cache_tensors.py), the step inputs (runner/step_inputs.py) and the
+model built by model/registry.py. Every call that touches the model is `@mirrored` to the
+other tensor-parallel ranks (runner/mirroring.py)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from types import MappingProxyType
 
 import numpy as np
 import torch
-from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
-from forklift.cpu import cpu_flags
-from forklift.model.gemma3 import Gemma3ForCausalLM
-from forklift.model.kv_cache_dtype import is_quantized_cache, kv_cache_format
+from forklift.model.kv_cache_dtype import kv_cache_format
 from forklift.model.kv_layout import kv_layout
-from forklift.model.layers.attention import AttentionMetadata
-from forklift.model.layers.decode_attention import IN_PLACE_MIN_SEQS, DecodeAttention
-from forklift.model.layers.gated_deltanet import LinearAttentionMetadata
+from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.model.llama import EAGER_REGIONS, LayerCache, LlamaForCausalLM, compiled_regions
 from forklift.model.model_config import ModelConfig
-from forklift.model.native_binding import (
-    DENSE_STEP_MAX_ROWS,
-    SPLIT_STEP_MAX_ROWS,
-    StepBinding,
-    dense_tile_bytes,
-    native_step_peak_bytes,
-    unsupported_reason,
-)
+from forklift.model.native_binding import native_step_peak_bytes
 from forklift.model.quantize import (
     NO_QUANTIZATION,
     QuantizationPlan,
     QuantizationReport,
-    drop_dense_copies,
     materialize_dense,
     quantize_from_file,
     quantize_model,
     requantize,
 )
-from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
+from forklift.model.registry import build_model
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
-from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_attention import NativeDecodeAttention
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler
-from forklift.runner.attention_metadata import (
-    DECODE_MIN_BLOCKS,
-    RowAttention,
-    build_attention_metadata,
-    build_row_attention,
-)
+from forklift.runner.activation_profile import run_largest_step
+from forklift.runner.backend import StepBackend
+from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.capture_backends import CudaGraphBackend, backend_for
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture, StaticDecodeInputs
 from forklift.runner.draft_rows import expand_draft_rows
-from forklift.runner.linear_metadata import build_linear_metadata
 from forklift.runner.lora_store import LoRALimits, LoRAStore
 from forklift.runner.memory import (
-    RECURRENT_STATE_DTYPE,
     KVCachePlan,
     kv_block_bytes,
     measure_peak_bytes,
     module_bytes,
     plan_kv_cache,
     total_device_memory,
-    trim_heap,
 )
 from forklift.runner.mirroring import RankMirror, mirrored
-from forklift.runner.prompt_scores import (
-    PromptScores,
-    prompt_rows_of,
-    score_prompt_rows,
-    split_prompt_scores,
-)
+from forklift.runner.prompt_scores import PromptScores, score_prompt_rows, split_prompt_scores
+from forklift.runner.step_inputs import StepInputBuilder, StepInputs
+from forklift.runner.warm_up import warm_up_decode_attention
 from forklift.sampling.batch_reuse import SamplingBatchReuse
 from forklift.sampling.sampler import SamplerOutput, sample
-
-logger = logging.getLogger("forklift")
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    # The PyTorch layers' attention metadata; None for a step the native step runs, which
-    # reads `row_attention` instead.
-    meta: AttentionMetadata | None
-    # Flat index of the last token of each sequence that samples this step.
-    sample_index: torch.Tensor
-    # Blocks this step reads for the first time since the cache was allocated: zeroed first,
-    # since attention reads whole blocks and never-written memory may hold NaNs.
-    fresh_blocks: torch.Tensor
-    # Hybrid models: [n, 2] (source, target) state slots to copy before the step (a sample
-    # of n > 1 forks its prompt's state).
-    state_copies: torch.Tensor | None = None
-    # [n, 2] (source, target) KV blocks to copy before the step, every layer's (a sample of
-    # n > 1 takes its leader's partly filled last prompt block).
-    block_copies: torch.Tensor | None = None
-    # Prompt logprobs: flat rows scored, the prompt token each predicts, how many top tokens.
-    prompt_rows: torch.Tensor | None = None
-    prompt_targets: torch.Tensor | None = None
-    prompt_top: int = 0
-    # The native step's attention, one row per token, per KV group.
-    row_attention: list[RowAttention] | None = None
 
 
 @dataclass
@@ -120,6 +72,10 @@ class StepResult:
 
 
 class ModelRunner:
+    """One model on one device (one tensor-parallel rank's shard): its weights' life (built,
+    freed, reloaded, updated in place), its KV cache's memory plan and allocation, and each
+    scheduled step run through the backend's kernels and sampled."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -154,10 +110,10 @@ class ModelRunner:
         self.weights = weights
         self.quantization = quantization
         self.quantization_report = QuantizationReport(quantization.method)
-        self.decode_backend = decode_backend
         self.batch_invariant = batch_invariant
-        self._embedding_updated = False  # an update changed a tied embedding (see below)
-        self.quant_kernel = self._load_quant_kernel(decode_backend)
+        # An update changed a tied embedding (see StepBackend.drop_dense_copies).
+        self._embedding_updated = False
+        self.backend = StepBackend(decode_backend, quantization, device, batch_invariant)
         self.tp = tp
         self.mirror = RankMirror(tp)
         self.shard = (
@@ -167,35 +123,31 @@ class ModelRunner:
         self.model = self._build_model()
         if lora is not None:
             self.lora = LoRAStore(self.model, self.model.config, lora, device)
-        self.native_step = self._load_native_step()
+        self.backend.load_native_step(self.model)
         self._drop_dense_copies()
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
-        self._step_binding: StepBinding | None = None  # bound on the first native step
-        # Dense tiles' buffer carried from a binding to the next across weight updates.
-        self._dense_buffer: torch.Tensor | None = None
-        self.native_steps = 0  # steps the native step ran (tests and benchmarks read it)
         # Speculation by MTP reads every token's final hidden state of the last step.
         self.keep_hidden_states = False
         self.hidden_states: torch.Tensor | None = None
         self._weight_updater = WeightUpdater(self.model)
-        # One entry per layer: K and V views, or a linear layer's conv and recurrent states.
-        self.layer_caches: list[LayerCache] = []
-        self._kv_cache_tensor: torch.Tensor | None = None
-        self._conv_states: torch.Tensor | None = None
-        self._recurrent_states: torch.Tensor | None = None
-        self._unwritten_blocks = np.zeros(0, dtype=bool)
+        self.cache = CacheTensors(self.kv_layout, self.kv_format, block_size, dtype, device)
         self._sampling_batches = SamplingBatchReuse()
         self.decode_capture: DecodeCapture | None = None
         if not enforce_eager:
-            backend = backend_for(device)
+            recorder = backend_for(device)
             # CUDA graphs record the eager kernels; a CPU compiles the layers' dense regions.
             self._captured_regions = (
-                EAGER_REGIONS if isinstance(backend, CudaGraphBackend) else compiled_regions()
+                EAGER_REGIONS if isinstance(recorder, CudaGraphBackend) else compiled_regions()
             )
             self.decode_capture = DecodeCapture(
-                backend, self._captured_forward, capture_sizes, max_model_len
+                recorder, self._captured_forward, capture_sizes, max_model_len
             )
+        self.input_builder = StepInputBuilder(
+            self.model.config, self.kv_layout, block_size=block_size,
+            sliding_window=sliding_window, device=device, cache=self.cache,
+            capture=self.decode_capture,
+        )  # fmt: skip
 
     # ---- memory -------------------------------------------------------------------------
     def plan_kv_cache(
@@ -244,33 +196,7 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         return (module_bytes(self.model) + self.model.packed_bytes() + self._lora_bytes
-                + self._dense_tile_bytes)  # fmt: skip
-
-    @property
-    def _dense_step(self) -> bool:
-        """The native step runs dense bf16 tiles (it loads on block weights only where the
-        block kernels do)."""
-        return self.native_step is not None and self.quant_kernel is None
-
-    @property
-    def one_forward(self) -> bool:
-        """The native step runs every step on the model's block weights."""
-        return self.native_step is not None and not self._dense_step and self.batch_invariant
-
-    @property
-    def native_step_max_rows(self) -> int | None:
-        """Most rows a native step runs: 0 without one, None (any) with one forward, else
-        the decode steps' limit (dense tiles', or block weights' beside dense copies)."""
-        if self.native_step is None:
-            return 0
-        if self.one_forward:
-            return None
-        return DENSE_STEP_MAX_ROWS if self._dense_step else SPLIT_STEP_MAX_ROWS
-
-    @property
-    def _dense_tile_bytes(self) -> int:
-        """The native step's packed copy of dense bf16 weights (the weights' size again)."""
-        return dense_tile_bytes(self.model) if self._dense_step else 0
+                + self.backend.dense_tile_bytes(self.model))  # fmt: skip
 
     @property
     def kv_block_bytes(self) -> int:
@@ -288,6 +214,36 @@ class ModelRunner:
             return total // self.tp.world_size
         return total
 
+    # ---- the backend (runner/backend.py), as callers and tests read it ------------------
+    @property
+    def quant_kernel(self) -> QuantMatmulKernel | None:
+        return self.backend.quant_kernel
+
+    @property
+    def native_step(self) -> NativeDecodeStep | None:
+        return self.backend.native_step
+
+    @native_step.setter
+    def native_step(self, step: NativeDecodeStep | None) -> None:
+        self.backend.native_step = step  # None: the PyTorch layers from the next step on
+
+    @property
+    def native_steps(self) -> int:
+        return self.backend.native_steps
+
+    @property
+    def one_forward(self) -> bool:
+        return self.backend.one_forward
+
+    @property
+    def native_step_max_rows(self) -> int | None:
+        return self.backend.native_step_max_rows
+
+    @property
+    def decode_path(self) -> str:
+        return self.backend.decode_path
+
+    # ---- the model and its cache --------------------------------------------------------
     def _build_model(self) -> LlamaForCausalLM:
         # One forward keeps no dense copy of a weight the file's blocks serve: those never
         # load dense (a 3B Q4_K_M file peaked at 20.6 GiB when they did).
@@ -307,95 +263,10 @@ class ModelRunner:
             self.lora.attach(model)
         return model
 
-    @property
-    def decode_path(self) -> str:
-        """What runs a small decode step: "native step" (one call), "native matmuls" (the
-        PyTorch layers on the native block kernels) or "torch"."""
-        if self.native_step is not None:
-            return "native step"
-        return "native matmuls" if self.quant_kernel is not None else "torch"
-
     def _drop_dense_copies(self) -> None:
-        """Where the native step runs every step on the blocks, the dense copies of block
-        weights serve nothing: release them (the memory plan then counts the blocks)."""
-        if not self.one_forward:
-            return
-        # The tied head's blocks hold the file's embedding exactly until an update changes
-        # it (then the head is a rounding of the new embedding, which stays dense).
-        tied = ("lm_head (tied)", "gguf blocks")
-        exact = tied in [(t.name, t.source) for t in self.quantization_report.tensors]
-        drop_dense_copies(self.model, embedding_in_head=exact and not self._embedding_updated)
-        self.quantization_report.dense_bytes = 0
-        trim_heap()
-
-    def _load_native_step(self) -> NativeDecodeStep | None:
-        """One native call per decode step where the model and its weights allow it: block-
-        quantized weights, or dense bf16 ones where the CPU has AMX tiles."""
-        if self.quant_kernel is None:
-            return self._load_dense_native_step()
-        reason = unsupported_reason(self.model)
-        step = NativeDecodeStep.load() if reason is None else None
-        if reason is None and step is None:
-            reason = "the step library did not build"
-        if step is None:
-            logger.info("decode step: PyTorch layers with native block matmuls (%s)", reason)
-        else:
-            if self.batch_invariant:
-                logger.info("every step: one native call on the block weights (any rows)")
-            else:
-                logger.info(
-                    "decode step: one native call for up to %d rows; prefill on dense copies "
-                    "(batch_invariant off)", SPLIT_STEP_MAX_ROWS,
-                )  # fmt: skip
-        return step
-
-    def _load_dense_native_step(self) -> NativeDecodeStep | None:
-        """The native step on dense bf16 weights: decode_backend auto, no quantization, a
-        CPU with AMX; None (the PyTorch layers, logged) otherwise."""
-        if (
-            self.decode_backend != "auto"
-            or self.quantization.enabled
-            or self.device.type != "cpu"
-            or "amx_bf16" not in cpu_flags()
-        ):
-            return None  # the torch path, as the block kernels' log line said
-        reason = unsupported_reason(self.model, dense_tiles=True)
-        step = NativeDecodeStep.load() if reason is None else None
-        if reason is None and step is None:
-            reason = "the step library did not build"
-        elif step is not None and not step.dense_tiles:
-            reason, step = "the kernel grants no AMX tile state", None
-        if reason is not None:
-            logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
-            return None
-        logger.info(
-            "decode step: one native call on dense bf16 AMX tiles for up to %d rows",
-            DENSE_STEP_MAX_ROWS,
+        self.backend.drop_dense_copies(
+            self.model, self.quantization_report, self._embedding_updated
         )
-        return step
-
-    def _load_quant_kernel(self, decode_backend: str) -> QuantMatmulKernel | None:
-        """The native block kernels where the backend and this machine allow them."""
-        if decode_backend == "native" and not self.quantization.enabled:
-            raise ValueError(
-                "decode_backend='native' runs quantized weights, and this engine's "
-                "quantization resolved to 'none'; use 'auto'"
-            )
-        if decode_backend == "torch" or not self.quantization.enabled:
-            return None
-        if self.device.type != "cpu":
-            if decode_backend == "native":
-                raise ValueError("decode_backend='native' runs on a CPU only; use 'auto'")
-            return None
-        kernel = QuantMatmulKernel.load()
-        if kernel is None:
-            if decode_backend == "native":
-                raise ValueError(
-                    "decode_backend='native' needs the native kernels, which did not build "
-                    f"here (no C compiler, or {DISABLE_ENV}=0); use 'auto' or 'torch'"
-                )
-            logger.info("native block kernels unavailable: quantized layers use PyTorch's")
-        return kernel
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks: their serving loops end."""
@@ -408,145 +279,47 @@ class ModelRunner:
         num_tokens = min(num_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         self._allocate_kv_cache(blocks, 1)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
         table = np.arange(1, blocks, dtype=np.int64)[None, :]
         # Every KV group writes the same blocks: this is a profile.
         tables = [table] * len(self.kv_layout.windows)
-        meta, _ = self._attention_metadata(np.array([0]), np.array([num_tokens]), tables)
-        meta.linear = self._linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
-        all_layers, all_caches = self.model.layers, self.layer_caches
-        chosen = _profiled_layers(all_layers)
-        try:
-            # A layer's transients are freed before the next layer starts, so the step's
-            # peak is that of one layer of each kind: run those (twice, so a handover
-            # between layers is in it too), not all of them. A 2048-token fp32 forward
-            # through SmolLM2's 30 layers took 8 s of start-up on two cores, and its
-            # resident-size peak also counted the profile's own K/V writes to every layer
-            # (94 MB): KV memory, budgeted apart.
-            self.model.layers = nn.ModuleList(all_layers[i] for i in chosen)
-            self.layer_caches = [all_caches[i] for i in chosen]
-            with torch.inference_mode():
-                hidden = self.model(ids, positions, self.layer_caches, meta)
-                rows = min(max_num_seqs, num_tokens)
-                logits = self.model.compute_logits(hidden[-rows:])
-                # top-k / top-p hold every row sorted (values, int64 order) and its
-                # probabilities: their memory, written. (Sorting took 0.7 s of start-up for
-                # 256 rows of 49k logits, and its own scratch is no larger than a copy.)
-                sampler_rows = (
-                    torch.zeros_like(logits),
-                    torch.zeros(logits.shape, dtype=torch.int64),
-                    torch.zeros_like(logits),
-                )
-                del sampler_rows
-        finally:
-            self.model.layers, self.layer_caches = all_layers, all_caches
+        builder = self.input_builder
+        meta, _ = builder.attention_metadata(np.array([0]), np.array([num_tokens]), tables)
+        meta.linear = builder.linear_metadata(np.array([0]), np.array([num_tokens]), np.array([1]))
+        run_largest_step(self.model, self.layer_caches, meta, num_tokens, max_num_seqs, self.device)
         self._free_kv_cache()
 
     @mirrored
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._allocate_kv_cache(num_blocks, num_state_slots)
-        self._warm_up_decode_attention()
-        self._bind_native_step()
-
-    def _bind_native_step(self) -> None:
-        """Bind the native step to the weights and the new cache now (dense weights are
-        packed here), not in the first request."""
-        if self.native_step is not None and self._step_binding is None:
-            self._step_binding = StepBinding(self.model, self.layer_caches, self._dense_buffer)
-            self._dense_buffer = None  # the binding holds it now
-
-    def _warm_up_decode_attention(self) -> None:
-        """Compile the in-place decode kernel for this model's shapes now rather than in the
-        first request; later calls, and later engines in the same process, find it compiled."""
-        cfg = self.model.config
-        if not cfg.attention_layers:
-            return
-        layer = cfg.attention_layers[0]
-        kernel = self.model.layers[layer].decode_attention
-        if not isinstance(kernel, DecodeAttention) or not kernel.in_place:
-            return
-        key_cache, value_cache = self.layer_caches[layer]
-        if is_quantized_cache(key_cache):
-            return  # an int8 cache's rows are read by gathering (nothing to compile)
-        # Queries come in the cache's dtype, so the cache stands in for them here.
-        if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
-            return  # the native kernel serves every decode step: nothing to compile
-        seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS
-        # As in a step: index tensors built outside inference mode, queries inside it (dynamo
-        # guards on the difference).
-        blocks = torch.zeros(seqs, width, dtype=torch.int64, device=self.device)
-        bias = torch.zeros(seqs, width * self.block_size, device=self.device)
-        with torch.inference_mode():
-            q = torch.zeros(seqs, cfg.num_heads, cfg.head_dim, dtype=self.dtype,
-                            device=self.device)  # fmt: skip
-            kernel(q, key_cache, value_cache, blocks, bias, 1.0)
+        warm_up_decode_attention(
+            self.model, self.layer_caches, self.block_size, self.dtype, self.device
+        )
+        self.backend.bind(self.model, self.layer_caches)  # the new cache, not the first request's
 
     def _allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
-        cfg = self.model.config  # this rank's KV heads
-        layout = self.kv_layout
-        # A block spans the layers of one KV group, each layer in its slot (model/kv_layout.py).
-        # KV head outermost: one head's blocks, gathered, are one [context, head_dim] matrix
-        # (layers/decode_attention.py).
-        shape = (
-            layout.layers_per_block, 2, cfg.num_kv_heads, num_blocks, self.block_size,
-            self.kv_format.row_elements(cfg.head_dim),
-        )  # fmt: skip
-        # torch.empty leaves pages untouched until a block is first used; only the null
-        # block, which pads every read, must hold zeros (others are zeroed on first use).
-        cache = torch.empty(shape, dtype=self.kv_format.storage, device=self.device)
-        cache[:, :, :, 0].zero_()
-        self._unwritten_blocks = np.ones(num_blocks, dtype=bool)
-        self._unwritten_blocks[0] = False
-        self._kv_cache_tensor = cache
-        caches: dict[int, LayerCache] = {}
-        for group in layout.groups:
-            for slot, layer in enumerate(group.layers):
-                caches[layer] = (cache[slot, 0], cache[slot, 1])
-        caches.update(self._allocate_states(num_state_slots))
-        self.layer_caches = [caches[i] for i in range(cfg.num_layers)]
+        self.cache.allocate(self.model.config, num_blocks, num_state_slots)  # this rank's heads
         self._reset_captures()  # captures hold the old cache's addresses
 
-    def _allocate_states(self, num_slots: int) -> dict[int, LayerCache]:
-        """Per-sequence state slots of a hybrid model's linear layers (plus the zero slot)."""
-        cfg = self.model.config
-        shape = cfg.linear_attention
-        if shape is None or not cfg.is_hybrid:
-            return {}
-        layers, slots = len(cfg.linear_layers), num_slots + 1
-        history = shape.conv_kernel - 1
-        conv = torch.zeros(layers, slots, history, shape.conv_channels, dtype=self.dtype,
-                           device=self.device)  # fmt: skip
-        recurrent = torch.zeros(
-            layers, slots, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
-            dtype=RECURRENT_STATE_DTYPE, device=self.device,
-        )  # fmt: skip
-        self._conv_states, self._recurrent_states = conv, recurrent
-        return {layer: (conv[i], recurrent[i]) for i, layer in enumerate(cfg.linear_layers)}
+    @property
+    def layer_caches(self) -> list[LayerCache]:
+        """What the model reads, one entry per layer (empty while no cache is allocated)."""
+        return self.cache.layer_caches
 
     @property
     def kv_cache_bytes(self) -> int:
         """The KV blocks and, for a hybrid model, its state slots."""
-        tensors = (self._kv_cache_tensor, self._conv_states, self._recurrent_states)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return self.cache.nbytes
 
     @mirrored
     def free_kv_cache(self) -> None:
         self._free_kv_cache()
 
     def _free_kv_cache(self) -> None:
-        self.layer_caches = []
-        self._kv_cache_tensor = None
-        self._conv_states = self._recurrent_states = None
-        self._unwritten_blocks = np.zeros(0, dtype=bool)
+        self.cache.free()
         self._reset_captures()
 
     def _reset_captures(self) -> None:
-        # The binding points into the old weights or cache; its dense tiles (no cache
-        # pointers) are kept for the next binding to pack into, unless the weights went.
-        if self._step_binding is not None:
-            self._dense_buffer = self._step_binding.dense_buffer
-        self._step_binding = None
+        self.backend.unbind()  # the binding points into the old weights or cache
         if self.decode_capture is not None:
             self.decode_capture.reset()
 
@@ -556,7 +329,7 @@ class ModelRunner:
         self._weight_updater.discard()
         self.model.unpack_weights()
         self._reset_captures()
-        self._dense_buffer = None  # the tiles copy the weights: released with them
+        self.backend.drop_tiles()
         with torch.no_grad():
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -592,7 +365,7 @@ class ModelRunner:
         self.model.pack_weights()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
-            self._bind_native_step()
+            self.backend.bind(self.model, self.layer_caches)
         return applied
 
     @property
@@ -624,11 +397,11 @@ class ModelRunner:
         state_copies: Sequence[tuple[int, int]],
         block_copies: Sequence[tuple[int, int]],
     ) -> StepResult:
-        native = self._runs_native_step(rows)
-        key = None if native else self._capture_key(rows)
+        native = self.backend.runs_native_step(rows)
+        key = None if native else self.input_builder.capture_key(rows)
         pad_to = key.batch if key is not None else None
         kv_width = key.kv_width if key is not None else 0
-        inputs = self.prepare_inputs(
+        inputs = self.input_builder.prepare(
             rows,
             pad_to=pad_to,
             kv_width=kv_width,
@@ -654,22 +427,15 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, PromptScores | None]:
         """The model on one step's inputs: logits of the sampling rows (None if none), and
         the scores of the prompt rows asked for (None if none). `native`: a decode step
-        the native step runs whole (see `_runs_native_step`)."""
+        the native step runs whole (see `StepBackend.runs_native_step`)."""
         with torch.inference_mode():
-            if inputs.fresh_blocks.numel() and self._kv_cache_tensor is not None:
-                # Block by block, as the copies below: index_fill_ along the block dimension
-                # took 3-4x as long.
-                for block in inputs.fresh_blocks.tolist():
-                    self._kv_cache_tensor[:, :, :, block].zero_()
-            if inputs.state_copies is not None and inputs.state_copies.numel():
-                self._copy_states(inputs.state_copies)
-            if inputs.block_copies is not None and self._kv_cache_tensor is not None:
-                cache = self._kv_cache_tensor
-                # Block by block: index_copy_ along the block dimension is ten times slower.
-                for source, target in inputs.block_copies.tolist():
-                    cache[:, :, :, target].copy_(cache[:, :, :, source])
+            self.cache.write_before_step(
+                inputs.fresh_blocks, inputs.state_copies, inputs.block_copies
+            )
             if native:
-                return self._native_forward(inputs)
+                rows = self.lora.context.rows if self.lora is not None else None
+                row_lora = rows.token_slots if rows is not None else None
+                return self.backend.forward(self.model, self.layer_caches, inputs, row_lora)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -692,77 +458,6 @@ class ModelRunner:
                 return None, scores
             return self.model.compute_logits(hidden[inputs.sample_index]), scores
 
-    def _runs_native_step(self, scheduled: list[ScheduledChunk]) -> bool:
-        """With one forward, every step (one arithmetic whatever the step holds); else a
-        decode step of few rows, each sampling its one new token."""
-        if self.native_step is None or not scheduled:
-            return False
-        if self.one_forward:
-            return True
-        limit = self.native_step_max_rows
-        return (
-            limit is not None
-            and len(scheduled) <= limit
-            and all(s.num_new_tokens == 1 and s.samples and not s.scores_prompt for s in scheduled)
-        )
-
-    def _native_forward(
-        self, inputs: StepInputs
-    ) -> tuple[torch.Tensor | None, PromptScores | None]:
-        assert self.native_step is not None and inputs.row_attention is not None
-        self._bind_native_step()  # again after the weights or the cache changed
-        assert self._step_binding is not None
-        self.native_steps += 1
-        groups = [(g.slot_mapping, g.kv_blocks, g.bias) for g in inputs.row_attention]
-        rows = self.lora.context.rows if self.lora is not None else None
-        row_lora = rows.token_slots if rows is not None else None
-        scoring = inputs.prompt_rows is not None and inputs.prompt_targets is not None
-        output = self.native_step(
-            self._step_binding, inputs.input_ids, inputs.positions, groups, row_lora,
-            logit_rows=inputs.sample_index, keep_hidden=scoring,
-        )  # fmt: skip
-        scores = None
-        if scoring:
-            assert output.hidden is not None
-            scores = score_prompt_rows(
-                self.model.compute_logits,
-                output.hidden[inputs.prompt_rows],
-                inputs.prompt_targets,
-                inputs.prompt_top,
-            )
-        return (output.logits if inputs.sample_index.numel() else None), scores
-
-    def _copy_states(self, copies: torch.Tensor) -> None:
-        source, target = copies[:, 0], copies[:, 1]
-        for states in (self._conv_states, self._recurrent_states):
-            if states is not None:
-                states.index_copy_(1, target, states.index_select(1, source))
-
-    def _linear_metadata(
-        self,
-        starts: np.ndarray,
-        query_lens: np.ndarray,
-        slots: np.ndarray,
-        read_slots: np.ndarray | None = None,
-        continues: np.ndarray | None = None,
-    ) -> LinearAttentionMetadata | None:
-        shape = self.model.config.linear_attention
-        if shape is None or not self.model.config.is_hybrid:
-            return None
-        return build_linear_metadata(
-            starts, query_lens, slots, shape.conv_kernel, self.device, read_slots, continues
-        )
-
-    def _capture_key(self, scheduled: list[ScheduledChunk]) -> CaptureKey | None:
-        """The captured shape for a pure-decode step; None runs the step eagerly."""
-        capture = self.decode_capture
-        if capture is None or any(s.num_new_tokens != 1 for s in scheduled):
-            return None
-        key = capture.key_for(len(scheduled), max(s.start for s in scheduled) + 1)
-        if key is None:
-            capture.stats.eager_fallbacks += 1
-        return key
-
     def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
         return self.model(
             static.input_ids,
@@ -771,184 +466,3 @@ class ModelRunner:
             static.meta,
             self._captured_regions,
         )
-
-    def prepare_inputs(
-        self,
-        scheduled: list[ScheduledChunk],
-        *,
-        pad_to: int | None = None,
-        kv_width: int = 0,
-        state_copies: Sequence[tuple[int, int]] = (),
-        block_copies: Sequence[tuple[int, int]] = (),
-        native: bool = False,
-    ) -> StepInputs:
-        """Flat step inputs. `pad_to` appends decode rows of token 0 at position 0 in the null
-        block (they sample nothing); `kv_width` widens the key tensors to a fixed size;
-        `native`: the native step's per-token attention instead of the PyTorch layers'."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        ids = np.concatenate([np.asarray(s.token_ids) for s in scheduled]).astype(np.int64)
-        sampling = np.array([s.samples for s in scheduled], dtype=bool)
-        rows = len(scheduled) if pad_to is None else pad_to
-        padding = rows - len(scheduled)
-        if padding:
-            starts = np.concatenate([starts, np.zeros(padding, dtype=np.int64)])
-            query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
-            ids = np.concatenate([ids, np.zeros(padding, dtype=np.int64)])
-            sampling = np.concatenate([sampling, np.zeros(padding, dtype=bool)])
-        tables = _group_tables(scheduled, rows, len(self.kv_layout.windows))
-        row_attention = None
-        if native:
-            meta = None
-            row_attention, positions = build_row_attention(
-                starts, query_lens, tables, self._group_windows, self.block_size, self.device
-            )
-        else:
-            meta, positions = self._attention_metadata(starts, query_lens, tables, kv_width)
-        count = len(scheduled)  # padding rows never reach a linear layer: hybrids run eagerly
-        slots = np.array([s.state_slot for s in scheduled], dtype=np.int64)
-        # Rows verifying a hybrid's drafts read the state the row before them writes.
-        continues = np.array([s.state_read_slot >= 0 for s in scheduled], dtype=bool)
-        reads = np.where(continues, [s.state_read_slot for s in scheduled], slots)
-        if meta is not None:
-            meta.linear = self._linear_metadata(
-                starts[:count], query_lens[:count], slots, reads, continues
-            )
-        copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
-        block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
-        if block_pairs.size and self._unwritten_blocks.size:
-            # A copy fills its target whole: never zero it over the copy, now or later.
-            self._unwritten_blocks[block_pairs[:, 1]] = False
-        ends = np.cumsum(query_lens)
-        sample_index = (ends - 1)[sampling]
-        inputs = StepInputs(
-            input_ids=torch.from_numpy(ids).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
-            meta=meta,
-            sample_index=torch.from_numpy(sample_index).to(self.device),
-            fresh_blocks=torch.from_numpy(self._take_unwritten(np.concatenate(tables, axis=1))).to(
-                self.device
-            ),
-            state_copies=torch.from_numpy(copies).to(self.device) if copies.size else None,
-            block_copies=(
-                torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
-            ),
-            row_attention=row_attention,
-        )
-        asked = prompt_rows_of(scheduled, ends - query_lens)
-        if asked is not None:
-            rows, targets, inputs.prompt_top = asked
-            inputs.prompt_rows = torch.from_numpy(rows).to(self.device)
-            inputs.prompt_targets = torch.from_numpy(targets).to(self.device)
-        return inputs
-
-    @property
-    def _group_windows(self) -> list[int | None]:
-        """Each KV group's window (Mistral's uniform one for the first)."""
-        windows = list(self.kv_layout.windows)
-        return [self.sliding_window or windows[0], *windows[1:]]
-
-    def _attention_metadata(
-        self,
-        starts: np.ndarray,
-        query_lens: np.ndarray,
-        tables: list[np.ndarray],
-        kv_width: int = 0,
-    ) -> tuple[AttentionMetadata, np.ndarray]:
-        """The first KV group's metadata (with Mistral's uniform window, or the group's) and
-        each token's position; with several groups, every group's metadata as `kv_groups`."""
-        windows = self.kv_layout.windows
-        meta, positions = build_attention_metadata(
-            starts,
-            query_lens,
-            tables[0],
-            self.block_size,
-            self.sliding_window or windows[0],
-            self.device,
-            kv_width,
-        )
-        if len(tables) > 1:
-            meta.kv_groups = [meta] + [
-                build_attention_metadata(
-                    starts, query_lens, table, self.block_size, window, self.device, kv_width
-                )[0]
-                for table, window in zip(tables[1:], windows[1:], strict=True)
-            ]
-        return meta, positions
-
-    def attention_inputs(
-        self, scheduled: list[ScheduledChunk]
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Attention metadata and positions of chunks a drafter runs over the target's
-        blocks in a cache of its own (the target's first-use bookkeeping is left alone)."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        tables = _group_tables(scheduled, len(scheduled), 1)
-        meta, positions = self._attention_metadata(starts, query_lens, tables)
-        return meta, torch.from_numpy(positions).to(self.device)
-
-    def _take_unwritten(self, table: np.ndarray) -> np.ndarray:
-        """The blocks of `table` never used since the cache was allocated, now marked used."""
-        if not self._unwritten_blocks.size:
-            return np.zeros(0, dtype=np.int64)
-        # Look up every entry, sort only the few new ones (most steps have none).
-        fresh = np.unique(table[self._unwritten_blocks[table]])
-        self._unwritten_blocks[fresh] = False
-        return fresh
-
-
-def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:
-    """Each KV group's block tables as one [rows, width] array (padding rows: the null
-    block)."""
-    per_row = [s.group_tables or (s.block_table,) for s in scheduled]
-    width = max(len(t[0]) for t in per_row)
-    tables = [np.zeros((rows, width), dtype=np.int64) for _ in range(num_groups)]
-    for row, chunk_tables in enumerate(per_row):
-        for group, table in enumerate(chunk_tables):
-            tables[group][row, : len(table)] = table
-    return tables
-
-
-def _profiled_layers(layers: nn.ModuleList) -> list[int]:
-    """Indices of the first layer of each kind (a Llama has one kind, a hybrid model full
-    and linear attention), each twice."""
-    firsts: dict[tuple[type, bool], int] = {}
-    for index, layer in enumerate(layers):
-        firsts.setdefault((type(layer), getattr(layer, "is_full_attention", True)), index)
-    return [index for index in sorted(firsts.values()) for _ in range(2)]
-
-
-# Architectures whose model class is not the plain Llama one.
-_MODEL_CLASSES: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
-    {"qwen3_5": Qwen3_5ForCausalLM, "gemma3": Gemma3ForCausalLM}
-)
-
-
-def build_model(
-    config: ModelConfig,
-    weights: Callable[..., Iterable[tuple[str, torch.Tensor]]],
-    device: torch.device,
-    dtype: torch.dtype,
-    max_positions: int,
-    shard: TensorParallelShard | None = None,
-    from_blocks: Callable[[LlamaForCausalLM], set[str]] | None = None,
-) -> LlamaForCausalLM:
-    """The model with its weights. `from_blocks` gives layers their quantized copies straight
-    from the file before anything loads and names the checkpoint tensors that fed them:
-    those are never loaded dense (`weights(skip=...)` leaves them out)."""
-    # The layers skip random initialisation (the checkpoint fills every weight), so the model
-    # is built where it runs. Not on the meta device: its ops run Python reference kernels
-    # that import torch._dynamo, seconds of every start-up.
-    # By architecture, not by layer mix: a Qwen3.5 config of only full-attention layers still
-    # has gated attention and zero-centred norms.
-    model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
-    with torch.device(device):
-        model = model_class(config, max_positions, shard)
-    served = from_blocks(model) if from_blocks is not None else set()
-    model = model.to(dtype)
-    model.load_weights(weights(skip=served) if served else weights())
-    model.pack_weights()
-    # Rotary tables stay float32 (the cast above lowered them with the weights).
-    with torch.device(device):
-        model.make_rotary(max_positions)
-    return model.eval()
