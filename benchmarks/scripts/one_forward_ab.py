@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,12 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "sapphire-rapids")
     parser.add_argument("--name", default="one-forward")
     parser.add_argument("--llama-bench", help="llama-bench's path: its pp512 each round")
+    parser.add_argument(
+        "--title",
+        default="One forward for every step, against the split paths before it",
+        help="the report's heading",
+    )
+    parser.add_argument("--label", default="one forward", help="this tree's column")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     with tempfile.TemporaryDirectory() as scratch:
@@ -142,7 +149,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT,
                            check=False)  # fmt: skip
     lines = [
-        "# One forward for every step, against the split paths before it",
+        f"# {args.title}",
         "",
         f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} rounds "
         "(each measurement a fresh process). prefill: 4 prompts of 512 random tokens, one "
@@ -152,7 +159,7 @@ def main() -> None:
         "invariance: 10 chat turns of 24 tokens at temperature 0, each alone against beside 7 "
         "others and after a request that left part of it in the prefix cache.",
         "",
-        "| what | before | one forward | ratio, median (rounds) |",
+        f"| what | before | {args.label} | ratio, median (rounds) |",
         "|---|---|---|---|",
     ]
     for kind in kinds:
@@ -191,7 +198,9 @@ def main() -> None:
     )
     lines.append("")
     report = {"cpu_flags": sorted(cpu_flags()), "baseline": args.baseline, "rounds": rounds}
-    words = ["--baseline", args.baseline, "--rounds", args.rounds, "--out-dir", args.out_dir]
+    words = ["--baseline", args.baseline, "--rounds", args.rounds, "--kinds", args.kinds,
+             "--out-dir", args.out_dir.resolve(), "--name", args.name,
+             "--title", shlex.quote(args.title), "--label", shlex.quote(args.label)]  # fmt: skip
     if args.llama_bench:
         words += ["--llama-bench", "LLAMA_BENCH"]
     command = command_line(__file__, *words)
