@@ -7,7 +7,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,6 +30,7 @@ from forklift.engine.output_processor import (
     ParentRequest,
     mark_first_token,
 )
+from forklift.engine.stats import EngineStats, PrefixCacheStats, StepRecord
 from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
@@ -86,54 +86,6 @@ _STEP_LOG_SIZE = 4096
 # Spare state slots a hybrid model plans for verifying drafts (each state is far larger than
 # a KV block), whatever num_speculative_tokens asks.
 MAX_SPARE_STATE_SLOTS = 8
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one engine step ran: which requests, how many tokens, how long it took."""
-
-    index: int
-    start_time: float
-    duration_s: float
-    request_ids: tuple[str, ...]
-    num_batched_tokens: int
-    num_sampled: int
-    num_preempted: int
-    # Prompt tokens computed (the rest of num_batched_tokens recompute or decode outputs).
-    num_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache and found there, since the start."""
-
-    enabled: bool
-    query_tokens: int
-    hit_tokens: int
-    cached_blocks: int
-    evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's counters at one moment: what metrics, status pages and benchmarks read."""
-
-    num_running: int
-    num_waiting: int
-    # Preemptions since the start (each one frees a request's blocks to recompute it later).
-    num_preemptions: int
-    kv_usage: float  # fraction of usable KV blocks held by requests
-    num_free_blocks: int
-    num_usable_blocks: int
-    prefix_cache: PrefixCacheStats
-    # (reserved token slots, computed tokens) of every running request.
-    running_slots: tuple[tuple[int, int], ...] = ()
-    # Speculative decoding's counters; None when it is off.
-    spec_decode: SpecDecodeStats | None = None
 
 
 class LLMEngine:
