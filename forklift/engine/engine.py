@@ -31,6 +31,7 @@ from forklift.engine.output_processor import (
     mark_first_token,
 )
 from forklift.engine.stats import EngineStats, PrefixCacheStats, StepRecord
+from forklift.engine.weights_lifecycle import WeightsLifecycle
 from forklift.lora_request import LoRARequest
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
 from forklift.model.quantize import resolve_quantization
@@ -192,11 +193,10 @@ class LLMEngine:
         )
         if mtp_layer is not None:
             self.mtp = MtpProposer(mtp_layer, self.runner, self.kv_manager)
-        self._allocate_kv_caches()
-        # Bumped by every weight update; the prefix cache keys on it.
-        self.weight_version = 0
-        # 0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed.
-        self.sleep_level = 0
+        self.weights = WeightsLifecycle(
+            self.runner, self.draft_runner, self.mtp, self.kv_manager, self.kv_plan
+        )
+        self.weights.allocate_kv_caches()
         self.state_pool = (
             StatePool(self.kv_plan.num_state_slots) if self.model_config.is_hybrid else None
         )
@@ -307,18 +307,6 @@ class LLMEngine:
             )  # fmt: skip
         return min(slots, wanted)
 
-    @property
-    def _runners(self) -> list[ModelRunner]:
-        """The target's runner and, when speculating with one, the draft model's."""
-        return [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
-
-    def _allocate_kv_caches(self) -> None:
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
-        if self.mtp is not None:
-            self.mtp.allocate_cache(self.kv_plan.num_blocks)
-
     def _planned_spare_slots(self) -> int:
         """State slots a hybrid model plans beyond max_num_seqs: a sequence verifying k
         drafts borrows k for the step (at most MAX_SPARE_STATE_SLOTS, shared by the running
@@ -414,7 +402,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; invalid input raises ValueError and leaves the engine untouched."""
-        self._check_awake()  # before the prompt's checks: being asleep outranks a bad prompt
+        self.weights.check_awake()  # before the prompt's checks: being asleep outranks a bad prompt
         processed = self.input_processor.process(prompt, params or SamplingParams())
         return self.add_processed(request_id, processed, arrival_time, lora_request)
 
@@ -427,7 +415,7 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt `input_processor` already checked (e.g. on a server worker thread);
         only what depends on the engine's state now (asleep, a taken id) is checked here."""
-        self._check_awake()
+        self.weights.check_awake()
         params, prompt_ids = processed.params, processed.prompt_token_ids
         lora_id = self._lora_id(lora_request)
         key: tuple[object, ...] = (self.weight_version, processed.cache_salt)
@@ -501,10 +489,6 @@ class LLMEngine:
 
     def _lora_users(self, adapter_id: int) -> int:
         return sum(r.lora_id == adapter_id for r in self.scheduler.requests.values())
-
-    def _check_awake(self) -> None:
-        if self.sleep_level:
-            raise ValueError("the engine is asleep: call wake_up() before generating")
 
     def _taken(self, request_id: str, seq_ids: list[str]) -> str | None:
         """The id already in use (the request's own, or one of its sequences'), or None."""
@@ -815,15 +799,17 @@ class LLMEngine:
         already running continue with the new weights. Returns the number of tensors staged
         (or applied, when finalizing).
         """
-        if self.sleep_level >= 2:
-            raise ValueError("the weights were dropped by sleep(level=2): call wake_up() first")
-        staged = self.runner.stage_weights(list(named_tensors))
-        if not finalize:
-            return staged
-        applied = self.runner.commit_weights()
-        self.weight_version += 1
-        self.kv_manager.reset_prefix_cache()
-        return applied
+        return self.weights.update_weights(named_tensors, finalize)
+
+    @property
+    def weight_version(self) -> int:
+        """Bumped by every weight update; outputs carry the version that produced them."""
+        return self.weights.weight_version
+
+    @property
+    def sleep_level(self) -> int:
+        """0 = awake; 1 = KV cache freed; 2 = KV cache and weights freed."""
+        return self.weights.sleep_level
 
     # ---- LoRA adapters -------------------------------------------------------------------
     def _lora_registry(self) -> LoRARegistry:
@@ -857,30 +843,12 @@ class LLMEngine:
         """Free the KV cache (level 1) and also the weights (level 2) for a trainer's use.
 
         Only between requests: in-flight requests must finish or be aborted first."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.has_unfinished_requests():
-            raise ValueError("cannot sleep with requests in flight: finish or abort them first")
-        self.kv_manager.reset_prefix_cache()
-        for runner in self._runners:
-            runner.free_kv_cache()
-            if level == 2:
-                runner.free_weights()
-        if self.mtp is not None:
-            self.mtp.free_cache()
-        self.sleep_level = max(self.sleep_level, level)
+        self.weights.sleep(level, in_flight=self.has_unfinished_requests())
 
     def wake_up(self) -> None:
         """Reallocate what `sleep` freed; weights dropped at level 2 are reloaded from the
         model source (push newer ones with `update_weights` afterwards)."""
-        if self.sleep_level == 0:
-            return
-        if self.sleep_level == 2:
-            for runner in self._runners:
-                runner.reload_weights()
-            self.weight_version += 1
-        self._allocate_kv_caches()
-        self.sleep_level = 0
+        self.weights.wake_up()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op for a single rank)."""
