@@ -163,12 +163,12 @@ def test_the_draft_runs_the_native_step_on_quantized_weights(tiny_dir):
 
 def test_adaptive_rule_counts_the_drafts_forward(tiny_dir):
     llm = make_llm(tiny_dir, speculative_config={**ITSELF, "adaptive_draft_length": True})
-    assert llm.llm_engine._draft_cost == pytest.approx(1.0)
+    assert llm.llm_engine.speculator.draft_cost == pytest.approx(1.0)
     run(llm, prompts_of(2, seed=6), GREEDY)
     assert llm.llm_engine.spec_stats.num_drafts == 0  # a draft as costly as a step never pays
     half = make_llm(tiny_dir, speculative_config={**ITSELF, "draft_layers": 1,
                                                    "adaptive_draft_length": True})  # fmt: skip
-    assert 0.3 < half.llm_engine._draft_cost < 0.9
+    assert 0.3 < half.llm_engine.speculator.draft_cost < 0.9
 
 
 def test_drafts_the_target_cannot_check_are_refused(tiny_dir, tmp_path):

@@ -15,13 +15,12 @@ import torch
 from forklift.checkpoint.gguf_file import release_pages
 from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
-from forklift.core.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.request import FinishReason, Request
 from forklift.core.scheduler import Scheduler
-from forklift.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from forklift.core.scheduler_output import SchedulerOutput
 from forklift.core.state_pool import StatePool
 from forklift.engine.lora_registry import LoRAInfo, LoRARegistry
 from forklift.engine.output_processor import (
@@ -30,6 +29,7 @@ from forklift.engine.output_processor import (
     ParentRequest,
     mark_first_token,
 )
+from forklift.engine.speculation import Speculator
 from forklift.engine.stats import EngineStats, PrefixCacheStats, StepRecord
 from forklift.engine.weights_lifecycle import WeightsLifecycle
 from forklift.lora_request import LoRARequest
@@ -56,11 +56,8 @@ from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
 from forklift.spec_decode.proposer import (
     BatchProposer,
-    DraftQuery,
     Proposer,
-    accepted_prefix,
     make_proposer,
-    propose_all,
 )
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
@@ -215,23 +212,26 @@ class LLMEngine:
         self.loras: LoRARegistry | None = None
         if self.runner.lora is not None and lora_slots is not None:
             self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
-        self.proposer: Proposer | BatchProposer | None = None
+        proposer: Proposer | BatchProposer | None = None
         # A draft forward's cost as a share of a target step: decode reads every weight.
-        self._draft_cost = 0.0
+        draft_cost = 0.0
         if self.draft_runner is not None:
-            self._draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
-            self.proposer = DraftModelProposer(
+            draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
+            proposer = DraftModelProposer(
                 self.draft_runner, self.kv_manager, config.resolve_max_num_batched_tokens()
             )
         elif self.mtp is not None:
             # The layer and the head it shares (about as large as the embedding).
             head = self.runner.model.embed_tokens.weight
             guess_bytes = mtp_weight_bytes(self.mtp.mtp) + head.numel() * head.element_size()
-            self._draft_cost = guess_bytes / self.runner.weight_bytes
-            self.proposer = self.mtp
+            draft_cost = guess_bytes / self.runner.weight_bytes
+            proposer = self.mtp
         elif self.speculation is not None:
-            self.proposer = make_proposer(self.speculation)
-        self.spec_stats = SpecDecodeStats()
+            proposer = make_proposer(self.speculation)
+        self.speculator = Speculator(
+            self.speculation, proposer, draft_cost, self.mtp, self.runner, self.scheduler,
+            self.state_pool,
+        )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.input_processor = InputProcessor(
@@ -383,13 +383,13 @@ class LLMEngine:
                 if spec.disable_by_batch_size
                 else "",
             )
-        if self._draft_cost:
+        if self.speculator.draft_cost:
             drafter = self.draft_runner.model_config if self.draft_runner else None
             logger.info(
                 "speculative decoding: the %s guesses at %.2f of a step's weight reads each",
                 f"draft ({drafter.architecture}, {drafter.num_layers} layers)"
                 if drafter else "MTP layer",
-                self._draft_cost,
+                self.speculator.draft_cost,
             )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------
@@ -515,14 +515,10 @@ class LLMEngine:
             for sequence in parent.sequences:
                 self.scheduler.finish(sequence.request, FinishReason.ABORT)
                 self._sequences.pop(sequence.request.request_id, None)
-                self._forget_drafts(sequence.request)
+                self.speculator.forget(sequence.request)
             parent.metrics.finished_time = time.time()
             outputs.append(self._output(parent))
         return outputs
-
-    def _forget_drafts(self, request: Request) -> None:
-        if self.proposer is not None:
-            self.proposer.finish(request.request_id, request.output_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -553,10 +549,7 @@ class LLMEngine:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
             raise
-        if self.mtp is not None and self.runner.hidden_states is not None:
-            self._fork_mtp(sched.scheduled)
-            self.mtp.record_step(sched.scheduled, self.runner.hidden_states)
-            self.runner.hidden_states = None
+        self.speculator.record_step(sched.scheduled, self._siblings)
         out = result.sampler_output
         rows_of: list[list[int]] = [[] for _ in sched.scheduled]
         for row, item in enumerate(result.sampled_items):
@@ -565,7 +558,9 @@ class LLMEngine:
         if out is not None:
             for item, rows in enumerate(rows_of):
                 if rows:
-                    sampled[item] = self._accepted_tokens(sched.scheduled[item], rows, out)
+                    sampled[item] = self.speculator.accepted_tokens(
+                        sched.scheduled[item], rows, out
+                    )
         touched: dict[str, ParentRequest] = {}
         emitted = 0
 
@@ -585,112 +580,15 @@ class LLMEngine:
             parent, _ = self._sequences[chunk.request_id]
             top = chunk.prompt_logprobs or 0
             self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores, top)
-        if self.proposer is not None:
-            self._propose()
+        if self.speculator.proposer is not None:
+            self.speculator.propose()
         self._record_step(sched, now, time.perf_counter() - started, emitted)
         return [self._emit(parent) for parent in touched.values()]
 
-    def _fork_mtp(self, scheduled: list[ScheduledChunk]) -> None:
-        """A sample starting past its prompt's shared blocks takes over the MTP layer's
-        progress of a sibling there (the blocks hold its K/V for both)."""
-        assert self.mtp is not None
-        for chunk in scheduled:
-            if chunk.start == 0 or self.mtp.knows(chunk.request_id):
-                continue
-            parent, _ = self._sequences[chunk.request_id]
-            for sibling in parent.sequences:
-                sibling_id = sibling.request.request_id
-                if sibling_id != chunk.request_id and self.mtp.knows(sibling_id):
-                    self.mtp.fork(sibling_id, chunk.request_id, chunk.start)
-                    break
-
-    def _accepted_tokens(
-        self, chunk: ScheduledChunk, rows: list[int], out: SamplerOutput
-    ) -> int | list[int]:
-        """A chunk's sampled token, or for a chunk with drafts the target's tokens up to and
-        including the first that differs from a draft (all of them if none does)."""
-        if not chunk.num_draft_tokens:
-            return out.token_ids[rows[0]]
-        drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
-        targets = [out.token_ids[row] for row in rows]
-        accepted = accepted_prefix(drafts, targets)
-        self.spec_stats.record(len(drafts), accepted)
-        request = self.scheduler.requests.get(chunk.request_id)
-        if request is not None:
-            request.acceptance.record(len(drafts), accepted)
-        return targets[: accepted + 1]
-
-    def _propose(self) -> None:
-        """Drafts for each decoding sequence's next step. Under `disable_by_batch_size`
-        running sequences, none; with `adaptive_draft_length`, as many as the sequence's
-        recent acceptance makes worth their rows at this batch size; with the native step,
-        only as many as keep the step within its rows; on a hybrid model, only as many as
-        spare state slots allow. Under a grammar, only the drafts it allows. Lookups propose
-        one sequence at a time; a draft model for all at once. The MTP layer is asked about
-        every running sequence, drafting or not: it must see every position the target
-        computes (see model_drafters/mtp.py)."""
-        spec = self.speculation
-        assert spec is not None and self.proposer is not None
-        running = self.scheduler.running
-        disabled = (
-            spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
-        )
-        if disabled and self.mtp is None:
-            return
-        batched = isinstance(self.proposer, BatchProposer)
-        spare_rows = None
-        if self.runner.native_step is not None:
-            spare_rows = VERIFY_MAX_ROWS - len(running)
-        spare_slots = self.scheduler.spare_state_slots() if self.state_pool else None
-        asking: list[tuple[Request, DraftQuery]] = []
-        for request in running:
-            decoding = request.num_tokens - request.num_computed_tokens == 1
-            wanted = 0 if disabled or not decoding else self._drafts_wanted(request, len(running))
-            if spare_rows is not None:
-                wanted = min(wanted, spare_rows)
-            if spare_slots is not None:
-                wanted = min(wanted, spare_slots)
-            if decoding and wanted <= 0:
-                request.acceptance.idle()
-            if wanted <= 0 and self.mtp is None:
-                continue
-            query = DraftQuery(
-                request.request_id, request.all_token_ids, request.num_computed_tokens,
-                request.num_preemptions, max(wanted, 0),
-            )  # fmt: skip
-            if batched:
-                asking.append((request, query))
-                drafted = max(wanted, 0)
-            else:
-                drafted = self._set_drafts(request, propose_all(self.proposer, [query])[0])
-            if spare_rows is not None:
-                spare_rows -= drafted
-            if spare_slots is not None:
-                spare_slots -= drafted
-        if asking:
-            proposals = propose_all(self.proposer, [query for _, query in asking])
-            for (request, query), drafts in zip(asking, proposals, strict=True):
-                if query.max_tokens:
-                    self._set_drafts(request, drafts)
-
-    def _drafts_wanted(self, request: Request, num_running: int) -> int:
-        spec = self.speculation
-        assert spec is not None
-        # The step yields one token past its drafts: keep all of them within max_tokens.
-        room = request.max_tokens - request.num_output_tokens - 1
-        wanted = min(spec.num_speculative_tokens, room)
-        if spec.adaptive_draft_length:
-            rate = request.acceptance.rate
-            wanted = drafts_worth_verifying(rate, num_running, wanted, self._draft_cost)
-        return wanted
-
-    @staticmethod
-    def _set_drafts(request: Request, drafts: list[int]) -> int:
-        """Give `request` the drafts its grammar allows; returns how many."""
-        if request.grammar is not None:
-            drafts = drafts[: request.grammar.valid_prefix(drafts)]
-        request.draft_token_ids = drafts
-        return len(drafts)
+    def _siblings(self, sequence_id: str) -> list[str]:
+        """The ids of every sample of the request `sequence_id` belongs to."""
+        parent, _ = self._sequences[sequence_id]
+        return [sibling.request.request_id for sibling in parent.sequences]
 
     def _record_step(
         self, sched: SchedulerOutput, start: float, duration: float, sampled: int
@@ -778,7 +676,7 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for sequence in parent.sequences:
                 self._sequences.pop(sequence.request.request_id, None)
-                self._forget_drafts(sequence.request)
+                self.speculator.forget(sequence.request)
         return self._output(parent)
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
@@ -894,6 +792,19 @@ class LLMEngine:
             running_slots=slots,
             spec_decode=self.spec_stats.snapshot() if self.speculation else None,
         )
+
+    @property
+    def proposer(self) -> Proposer | BatchProposer | None:
+        """Speculation's drafter; tests swap in an oracle."""
+        return self.speculator.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | BatchProposer | None) -> None:
+        self.speculator.proposer = proposer
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        return self.speculator.stats
 
     @property
     def num_free_blocks(self) -> int:
