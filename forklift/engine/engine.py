@@ -7,21 +7,15 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
 
 from forklift.checkpoint.gguf_file import release_pages
-from forklift.checkpoint.source import resolve_model
 from forklift.config import EngineConfig
 from forklift.core.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from forklift.core.kv_cache_manager import KVCacheManager
-from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.request import FinishReason, Request
-from forklift.core.scheduler import Scheduler
 from forklift.core.scheduler_output import SchedulerOutput
-from forklift.core.state_pool import StatePool
 from forklift.engine.lora_registry import LoRAInfo, LoRARegistry
 from forklift.engine.output_processor import (
     OutputProcessor,
@@ -29,39 +23,16 @@ from forklift.engine.output_processor import (
     ParentRequest,
     mark_first_token,
 )
-from forklift.engine.speculation import Speculator
+from forklift.engine.setup import build_engine, log_startup
 from forklift.engine.stats import EngineStats, PrefixCacheStats, StepRecord
-from forklift.engine.weights_lifecycle import WeightsLifecycle
 from forklift.lora_request import LoRARequest
-from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
-from forklift.model.quantize import resolve_quantization
-from forklift.model_drafters.draft_model import (
-    DraftModelProposer,
-    load_draft_runner,
-    resolve_draft,
-)
-from forklift.model_drafters.mtp import (
-    MtpProposer,
-    check_mtp,
-    load_mtp,
-    mtp_block_bytes,
-    mtp_weight_bytes,
-)
 from forklift.outputs import PrefillChunk, RequestMetrics, RequestOutput
-from forklift.runner.decode_capture import capture_sizes
-from forklift.runner.lora_store import LoRALimits
-from forklift.runner.model_runner import ModelRunner
-from forklift.runner.tp_workers import RankSpec, cpu_threads_per_rank, start_tensor_parallel
 from forklift.sampling.sampler import SamplerOutput
 from forklift.sampling_params import SamplingParams
-from forklift.spec_decode.proposer import (
-    BatchProposer,
-    Proposer,
-    make_proposer,
-)
+from forklift.spec_decode.proposer import BatchProposer, Proposer
 from forklift.spec_decode.stats import SpecDecodeStats
 from forklift.structured.grammar import GrammarCompiler
-from forklift.tokenizer import Tokenizer, load_tokenizer
+from forklift.tokenizer import Tokenizer
 
 logger = logging.getLogger("forklift")
 
@@ -81,157 +52,31 @@ def _sequence_ids(request_id: str, n: int) -> list[str]:
 
 # Step records kept for inspection (tests, debugging); older ones are dropped.
 _STEP_LOG_SIZE = 4096
-# Spare state slots a hybrid model plans for verifying drafts (each state is far larger than
-# a KV block), whatever num_speculative_tokens asks.
-MAX_SPARE_STATE_SLOTS = 8
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        source = resolve_model(config.model)
-        self.model_source = source
-        self.model_config = load_model_config(source)
         self.speculation = config.speculation
-        # Speculation's drafter, checked against the model before any weight loads.
-        method = self.speculation.method if self.speculation is not None else None
-        draft = None
-        if self.speculation is not None and method == "draft_model":
-            draft = resolve_draft(self.speculation, config, source, self.model_config)
-        if method == "mtp":
-            check_mtp(source, self.model_config, config.tensor_parallel_size)
-        lora_limits = self._lora_limits()  # refused before any weight loads
-        self.tokenizer: Tokenizer | None = load_tokenizer(source)
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
-        self.max_model_len = self._resolve_max_model_len()
-        self.quantization = resolve_quantization(
-            config.quantization, config.dtype, source.format, self.device
-        )
-        self._tp_workers = start_tensor_parallel(
-            config,
-            self.model_config,
-            self.device,
-            RankSpec(
-                model=str(source.path),
-                device=str(self.device),
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-                block_size=config.block_size,
-                sliding_window=self.model_config.uniform_window,
-                num_threads=cpu_threads_per_rank(config),
-                allow_cross_node=config.allow_cross_node_tensor_parallel,
-                quantization=self.quantization,
-                decode_backend=config.decode_backend,
-                kv_cache_dtype=config.kv_cache_dtype,
-            ),
-        )
-        self.runner = ModelRunner(
-            self.model_config,
-            partial(iter_model_weights, source, self.model_config),
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            sliding_window=self.model_config.uniform_window,
-            # Captured decode runs on a single rank, and Llama-family layers, for now.
-            enforce_eager=(
-                config.resolve_enforce_eager(self.device)
-                or self._tp_workers is not None
-                or lora_limits is not None  # a step's adapter rows are not captured
-                or not self.model_config.has_llama_layers
-            ),
-            capture_sizes=capture_sizes(config.max_num_seqs, config.decode_capture_sizes),
-            tp=self._tp_workers.group if self._tp_workers else None,
-            quantization=quantization_plan(source, self.model_config, self.quantization),
-            decode_backend=config.decode_backend,
-            lora=lora_limits,
-            batch_invariant=config.batch_invariant,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
-        # Speculation's draft model or MTP layer: its K/V share the target's blocks and budget.
-        self.draft_runner: ModelRunner | None = None
-        self.mtp: MtpProposer | None = None
-        if draft is not None:
-            self.draft_runner = load_draft_runner(
-                draft, config, device=self.device, dtype=self.dtype,
-                max_model_len=self.max_model_len,
-            )  # fmt: skip
-        mtp_layer = None
-        if method == "mtp":
-            mtp_layer = load_mtp(
-                source, self.model_config, device=self.device, dtype=self.dtype,
-                max_model_len=self.max_model_len,
-            )  # fmt: skip
-        extra_weight_bytes, extra_block_bytes = 0, 0
-        if self.draft_runner is not None:
-            extra_weight_bytes = self.draft_runner.weight_bytes
-            extra_block_bytes = self.draft_runner.kv_block_bytes
-        elif mtp_layer is not None:
-            extra_weight_bytes = mtp_weight_bytes(mtp_layer)
-            extra_block_bytes = mtp_block_bytes(mtp_layer, config.block_size)
-        self.kv_plan = self.runner.plan_kv_cache(
-            max_num_batched_tokens=config.resolve_max_num_batched_tokens(),
-            max_num_seqs=config.max_num_seqs + self._planned_spare_slots(),
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            num_blocks_override=config.num_gpu_blocks_override,
-            memory_utilization=config.resolve_memory_utilization(self.device),
-            extra_weight_bytes=extra_weight_bytes,
-            extra_block_bytes=extra_block_bytes,
-        )
-        self._check_kv_fits()
-        self.kv_manager = KVCacheManager(
-            self.kv_plan.num_blocks,
-            config.block_size,
-            self._prefix_caching_enabled(),
-            self.kv_plan.windows,
-        )
-        if mtp_layer is not None:
-            self.mtp = MtpProposer(mtp_layer, self.runner, self.kv_manager)
-        self.weights = WeightsLifecycle(
-            self.runner, self.draft_runner, self.mtp, self.kv_manager, self.kv_plan
-        )
-        self.weights.allocate_kv_caches()
-        self.state_pool = (
-            StatePool(self.kv_plan.num_state_slots) if self.model_config.is_hybrid else None
-        )
-        lora_slots = LoRASlotTable(config.max_loras) if lora_limits is not None else None
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            self._max_running_sequences(),
-            config.resolve_max_num_batched_tokens(),
-            self.state_pool,
-            config.resolve_decode_step_prefill_tokens(),
-            config.resolve_prefill_pace_steps(),
-            lora_slots,
-        )
-        # The MTP layer's cache is indexed by the same block ids and would miss the copies.
-        self.scheduler.copy_prompt_tails = self.mtp is None
-        self.loras: LoRARegistry | None = None
-        if self.runner.lora is not None and lora_slots is not None:
-            self.loras = LoRARegistry(self.runner.lora, lora_slots, self._lora_users)
-        proposer: Proposer | BatchProposer | None = None
-        # A draft forward's cost as a share of a target step: decode reads every weight.
-        draft_cost = 0.0
-        if self.draft_runner is not None:
-            draft_cost = self.draft_runner.weight_bytes / self.runner.weight_bytes
-            proposer = DraftModelProposer(
-                self.draft_runner, self.kv_manager, config.resolve_max_num_batched_tokens()
-            )
-        elif self.mtp is not None:
-            # The layer and the head it shares (about as large as the embedding).
-            head = self.runner.model.embed_tokens.weight
-            guess_bytes = mtp_weight_bytes(self.mtp.mtp) + head.numel() * head.element_size()
-            draft_cost = guess_bytes / self.runner.weight_bytes
-            proposer = self.mtp
-        elif self.speculation is not None:
-            proposer = make_proposer(self.speculation)
-        self.speculator = Speculator(
-            self.speculation, proposer, draft_cost, self.mtp, self.runner, self.scheduler,
-            self.state_pool,
-        )  # fmt: skip
+        parts = build_engine(config)
+        self.model_source = parts.source
+        self.model_config = parts.model_config
+        self.tokenizer: Tokenizer | None = parts.tokenizer
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.max_model_len = parts.max_model_len
+        self.quantization = parts.quantization
+        self._tp_workers = parts.tp_workers
+        self.runner = parts.runner
+        self.draft_runner = parts.draft_runner
+        self.mtp = parts.mtp
+        self.kv_plan = parts.kv_plan
+        self.kv_manager = parts.kv_manager
+        self.weights = parts.weights
+        self.state_pool = parts.state_pool
+        self.scheduler = parts.scheduler
+        self.loras = parts.loras
+        self.speculator = parts.speculator
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.input_processor = InputProcessor(
@@ -243,154 +88,13 @@ class LLMEngine:
         self._next_id = 0
         self.step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG_SIZE)
         self._num_steps = 0
-        self._log_startup(source.path)
-        if source.format == "gguf":
-            release_pages(source.gguf_reader())  # the model holds its weights now
+        log_startup(parts, self.speculation)
+        if parts.source.format == "gguf":
+            release_pages(parts.source.gguf_reader())  # the model holds its weights now
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
-
-    # ---- setup ---------------------------------------------------------------------------
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return limit
-        if wanted > limit and not self.model_config.rope_scaling:
-            raise ValueError(
-                f"max_model_len ({wanted}) is larger than the model's context length ({limit})"
-            )
-        return wanted
-
-    def _lora_limits(self) -> LoRALimits | None:
-        config = self.config
-        if not config.enable_lora:
-            return None
-        if self.model_config.is_hybrid or self.model_config.attention_output_gate:
-            raise ValueError(
-                "enable_lora: LoRA adapters do not run the Qwen3.5 family (gated attention, "
-                "linear-attention layers) yet"
-            )
-        if config.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_lora: LoRA adapters do not run with tensor_parallel_size > 1 yet"
-            )
-        return LoRALimits(config.max_loras, config.max_lora_rank, config.resolve_max_cpu_loras())
-
-    def _prefix_caching_enabled(self) -> bool:
-        if not self.config.enable_prefix_caching or not self.model_config.is_hybrid:
-            return self.config.enable_prefix_caching
-        # A hit would have to restore the linear layers' state where the cached prefix ends,
-        # i.e. a state snapshot kept per cached block: far larger than the block itself.
-        plan = self.kv_plan
-        logger.info(
-            "prefix caching is off for this hybrid model: restoring a cached prefix needs a "
-            "linear-layer state snapshot per block, %.2f MiB each, against %.2f MiB of KV per "
-            "block",
-            plan.state_bytes_per_slot / 2**20,
-            plan.bytes_per_block / 2**20,
-        )
-        return False
-
-    def _max_running_sequences(self) -> int:
-        """max_num_seqs, capped by the state slots a hybrid model's budget holds."""
-        wanted = self.config.max_num_seqs
-        if not self.model_config.is_hybrid:
-            return wanted
-        slots = self.kv_plan.num_state_slots
-        if slots < wanted:
-            logger.warning(
-                "max_num_seqs capped at %d (was %d): the memory budget holds %d linear-layer "
-                "state slots of %.2f MiB",
-                slots, wanted, slots, self.kv_plan.state_bytes_per_slot / 2**20,
-            )  # fmt: skip
-        return min(slots, wanted)
-
-    def _planned_spare_slots(self) -> int:
-        """State slots a hybrid model plans beyond max_num_seqs: a sequence verifying k
-        drafts borrows k for the step (at most MAX_SPARE_STATE_SLOTS, shared by the running
-        sequences), so speculation goes on at full batch."""
-        if self.speculation is None or not self.model_config.is_hybrid:
-            return 0
-        return min(self.speculation.num_speculative_tokens, MAX_SPARE_STATE_SLOTS)
-
-    def _check_kv_fits(self) -> None:
-        plan = self.kv_plan
-        if self.model_config.is_hybrid and plan.num_state_slots < 1:
-            raise ValueError(
-                f"the memory budget ({plan.source}) holds no linear-layer state slot of "
-                f"{plan.state_bytes_per_slot} bytes. Raise kv_cache_memory_bytes or "
-                "gpu_memory_utilization."
-            )
-        needed = plan.blocks_per_sequence(self.max_model_len)
-        if plan.num_blocks - 1 < needed:
-            raise ValueError(
-                f"the KV cache holds {max(plan.num_blocks - 1, 0)} blocks "
-                f"({plan.token_capacity} tokens; budget {plan.source}), but one request of "
-                f"max_model_len={self.max_model_len} needs {needed} blocks of "
-                f"{plan.block_size} tokens. Raise num_gpu_blocks_override, kv_cache_memory_bytes "
-                f"or gpu_memory_utilization (whichever sized it), or lower max_model_len."
-            )
-
-    def _log_startup(self, path: object) -> None:
-        plan = self.kv_plan
-        logger.info(
-            "forklift: model %s (%s, %s layers) on %s in %s",
-            path,
-            self.model_config.architecture,
-            self.model_config.num_layers,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-        )
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens in %s (%.1f MiB; %s); max concurrency "
-            "at max_model_len=%d: %.2fx",
-            plan.num_blocks - 1,
-            plan.block_size,
-            plan.token_capacity,
-            self.runner.kv_format.name,
-            plan.num_blocks * plan.bytes_per_block / 2**20,
-            plan.source,
-            self.max_model_len,
-            plan.max_concurrency(self.max_model_len),
-        )
-        lora = self.runner.lora
-        if lora is not None:
-            logger.info(
-                "LoRA: %d adapter slots of rank up to %d (%.1f MiB, reserved before the KV "
-                "cache), %d host copies",
-                lora.limits.max_loras, lora.limits.max_lora_rank, lora.nbytes / 2**20,
-                lora.limits.max_cpu_loras,
-            )  # fmt: skip
-        if plan.num_state_slots:
-            logger.info(
-                "linear-layer states: %d slots x %.2f MiB = %.1f MiB (one per running sequence, "
-                "and spares for verifying drafts)",
-                plan.num_state_slots,
-                plan.state_bytes_per_slot / 2**20,
-                plan.state_bytes / 2**20,
-            )
-        logger.info("%s", self.runner.quantization_report.summary())
-        logger.info("weights resident: %.1f MiB", self.runner.weight_bytes / 2**20)
-        spec = self.speculation
-        if spec is not None:
-            logger.info(
-                "speculative decoding: %s, up to %d drafts per sequence and step%s",
-                spec.method,
-                spec.num_speculative_tokens,
-                f" (off at {spec.disable_by_batch_size}+ running sequences)"
-                if spec.disable_by_batch_size
-                else "",
-            )
-        if self.speculator.draft_cost:
-            drafter = self.draft_runner.model_config if self.draft_runner else None
-            logger.info(
-                "speculative decoding: the %s guesses at %.2f of a step's weight reads each",
-                f"draft ({drafter.architecture}, {drafter.num_layers} layers)"
-                if drafter else "MTP layer",
-                self.speculator.draft_cost,
-            )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -486,9 +190,6 @@ class LLMEngine:
                 "enable_lora"
             )
         return self.loras.add(lora_request)
-
-    def _lora_users(self, adapter_id: int) -> int:
-        return sum(r.lora_id == adapter_id for r in self.scheduler.requests.values())
 
     def _taken(self, request_id: str, seq_ids: list[str]) -> str | None:
         """The id already in use (the request's own, or one of its sequences'), or None."""
