@@ -55,6 +55,12 @@ _STEP_LOG_SIZE = 4096
 
 
 class LLMEngine:
+    """Requests in, outputs out: queues requests and their n samples, runs the step loop
+    (schedule, execute, accept the sampled tokens, stop, emit) and aborts. Set-up builds
+    its parts (setup.py); the Speculator checks and proposes drafts around each step
+    (speculation.py); WeightsLifecycle updates weights and sleeps and wakes for RL loops
+    (weights_lifecycle.py)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.speculation = config.speculation
