@@ -172,7 +172,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
-    from forklift.server.tool_parsers import PARSERS
+    from forklift.server.tools.parsers import PARSERS
 
     parser.add_argument(
         "--tool-call-parser",
