@@ -288,7 +288,7 @@ def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
         return None
     import psutil
 
-    from forklift.server.serve import HTTP_THREAD_NAME
+    from forklift.server.run_server import HTTP_THREAD_NAME
 
     try:
         process = psutil.Process(pid)

@@ -67,7 +67,7 @@ def build_app(
     /v1/files and /v1/batches with a `batch_dir` to keep their files and state in.
 
     `engine_thread=False`: the engine loop is not started; the caller runs
-    `app.state.ctx.async_engine.run_here()` (see `forklift.server.serve`)."""
+    `app.state.ctx.async_engine.run_here()` (see `forklift.server.run_server`)."""
     make_parser(tool_call_parser)  # a bad name fails here, not on the first tool request
     metrics = ServerMetrics()
     async_engine = AsyncEngine(

@@ -19,7 +19,7 @@ from forklift.server.field_policy import FieldPolicy
 from forklift.server.limits import ServerLimits, at_most, check_extra_fields
 from forklift.server.protocol import ChatCompletionRequest, SamplingFields
 from forklift.server.streams import merge_streams
-from forklift.server.structured import GUIDED_FIELDS, structured_params
+from forklift.server.structured_fields import GUIDED_FIELDS, structured_params
 from forklift.server.tools.tool_choice import ToolRequest
 from forklift.tokenizer import Tokenizer
 
