@@ -172,7 +172,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_tool_call_parser_arg(parser: argparse.ArgumentParser) -> None:
-    from forklift.server.tool_parsers import PARSERS
+    from forklift.server.tools.parsers import PARSERS
 
     parser.add_argument(
         "--tool-call-parser",
@@ -244,7 +244,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from forklift.server.serve import serve
+    from forklift.server.run_server import serve
 
     lora_modules = parse_lora_modules(args.lora_modules, args.enable_lora)
     if args.data_parallel_size != 1 or args.ray_address is not None:
@@ -286,7 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     from forklift.server.batch.run_batch import run_batch
-    from forklift.server.serve import default_served_name
+    from forklift.server.run_server import default_served_name
 
     summary = run_batch(
         engine_config_from_args(args),

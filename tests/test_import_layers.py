@@ -229,7 +229,7 @@ def test_the_layers_below_the_model_import_no_heavy_library(heavy):
 def test_serving_and_the_library_load_no_plotting_or_hf_stack():
     script = (
         "import sys\n"
-        "import forklift.server.app, forklift.server.serve, forklift.llm, forklift.dp.launch\n"
+        "import forklift.server.app, forklift.server.run_server, forklift.llm, forklift.dp.launch\n"
         "print(sorted(m for m in ('matplotlib', 'transformers') if m in sys.modules))\n"
     )
     result = subprocess.run(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from forklift.cpu import CPU_KIND_ENV, cpu_flags
 from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.native import build as native_build
-from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_attention_kernel import NativeDecodeAttention
 
 
 @pytest.fixture(scope="module")

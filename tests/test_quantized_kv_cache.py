@@ -40,7 +40,7 @@ from forklift.model.kv_cache_dtype import (
 )
 from forklift.model.layers.decode_attention import DecodeAttention, gathered_decode_attention
 from forklift.native import build as native_build
-from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_attention_kernel import NativeDecodeAttention
 
 needs_compiler = pytest.mark.skipif(
     native_build.find_compiler() is None, reason="no C compiler on this machine"

@@ -10,8 +10,8 @@ import openai
 import pytest
 from server_harness import serving_default_model, wait_until_idle
 
-from forklift.server.response_store import ResponseStore, StoredResponse
-from forklift.server.responses_stream import StreamedOutput
+from forklift.server.responses.events import StreamedOutput
+from forklift.server.responses.store import ResponseStore, StoredResponse
 
 MODEL = "smol"
 QUESTION = "What is the capital of France?"

@@ -16,11 +16,11 @@ from tiny_models import make_tiny_byte_level_model
 
 from forklift.config import EngineConfig
 from forklift.engine.engine import LLMEngine
-from forklift.server import tool_grammar
 from forklift.server.app import build_app
 from forklift.server.chat import chat_prompt_ids
 from forklift.server.protocol import ChatMessage
-from forklift.server.tools import tool_request
+from forklift.server.tools import call_grammar
+from forklift.server.tools.tool_choice import tool_request
 from forklift.tokenizer import Tokenizer
 
 MODEL = "tiny"
@@ -245,11 +245,11 @@ def test_required_with_parallel_tool_calls_false_is_one_call(client):
 def calls_only(monkeypatch):
     """Test hook: `auto`'s grammar without its text branch, so the tiny random model (which
     never calls a tool by itself) must write a call; the rest is the server's own."""
-    from forklift.server import tools as tools_module
+    from forklift.server.tools import tool_choice as tools_module
 
     def without_text(calls, definitions, parser, parallel, allow_text, text_schema=None):
         assert allow_text and text_schema is None
-        return tool_grammar.tool_call_grammar(calls, definitions, parser, parallel, False)
+        return call_grammar.tool_call_grammar(calls, definitions, parser, parallel, False)
 
     monkeypatch.setattr(tools_module, "tool_call_grammar", without_text)
 

@@ -285,7 +285,7 @@ def test_the_front_end_page_draws_one_panel_per_replica(tmp_path):
     """The page against a data-parallel front end's answer, served by the test itself: a
     replica with a grouped map, and one that is down."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    from forklift.server.status import status_page
+    from forklift.server.status.page import status_page
 
     answers = [
         {"replicas": [

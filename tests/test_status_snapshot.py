@@ -16,7 +16,7 @@ from forklift.engine.snapshot import (
     NULL,
     take_snapshot,
 )
-from forklift.server.status_history import StatusHistory
+from forklift.server.status.history import StatusHistory
 
 # 2 layers x 2 KV heads x head_dim 16 x fp32, K and V, 4-token blocks.
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4

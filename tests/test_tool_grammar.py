@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from forklift.server.errors import APIError
-from forklift.server.tools import closed_schema, tool_request
+from forklift.server.tools.tool_choice import closed_schema, tool_request
 from forklift.structured.grammar import GrammarCompiler
 from forklift.tokenizer import Tokenizer
 

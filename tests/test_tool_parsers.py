@@ -7,10 +7,10 @@ import json
 import pytest
 
 from forklift.server.errors import APIError
-from forklift.server.tool_output import ToolCallStreamer, final_message
-from forklift.server.tool_parsers import HermesParser, Llama3JsonParser, make_parser
-from forklift.server.tool_prompt import prepare_conversation
-from forklift.server.tools import tool_request
+from forklift.server.tools.assistant_message import ToolCallStreamer, final_message
+from forklift.server.tools.parsers import HermesParser, Llama3JsonParser, make_parser
+from forklift.server.tools.prompt import prepare_conversation
+from forklift.server.tools.tool_choice import tool_request
 
 TOOLS = [
     {

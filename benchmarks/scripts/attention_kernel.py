@@ -20,7 +20,7 @@ from results import command_line, write_results
 from revision_build import CSRC, ROOT, build_library, checkout_sources
 
 from forklift.bench.report import cpu_flags
-from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_attention_kernel import NativeDecodeAttention
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK, DEPTH = 30, 3, 3, 64, 16, 564
 BATCHES = (1, 8)

@@ -288,7 +288,7 @@ def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
         return None
     import psutil
 
-    from forklift.server.serve import HTTP_THREAD_NAME
+    from forklift.server.run_server import HTTP_THREAD_NAME
 
     try:
         process = psutil.Process(pid)
@@ -309,7 +309,7 @@ def _thread_name(pid: int, tid: int) -> str:
 async def _first_token_medians(client: httpx.AsyncClient, since: float) -> dict[str, float] | None:
     """Medians of the server's first-token phases for requests since `since`; None for a
     server that does not keep timelines (a peer)."""
-    from forklift.server.status import FIRST_TOKEN_JSON_PATH
+    from forklift.server.status.page import FIRST_TOKEN_JSON_PATH
 
     response = await client.get(FIRST_TOKEN_JSON_PATH, params={"since": since})
     if response.status_code != 200:

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from forklift.bench.decode import decode_step_budget, prefill_steps
 from forklift.bench.report import cpu_flags, subplots, write_report_files
 from forklift.llm import LLM
-from forklift.native.decode_attention import PROFILER_NAME as NATIVE_ATTENTION
+from forklift.native.decode_attention_kernel import PROFILER_NAME as NATIVE_ATTENTION
 from forklift.native.decode_step import PROFILER_NAME as NATIVE_STEP
 from forklift.native.quant_matmul import PROFILER_NAME as NATIVE_MATMUL
 from forklift.native.seeded_sample import PROFILER_NAME as NATIVE_SAMPLER

@@ -29,7 +29,7 @@ from forklift.server.app import install_api_key_check
 from forklift.server.body_limit import BodyLimitMiddleware
 from forklift.server.errors import error_response
 from forklift.server.limits import ServerLimits
-from forklift.server.status import STATUS_JSON_PATH, status_page
+from forklift.server.status.page import STATUS_JSON_PATH, status_page
 
 logger = logging.getLogger("forklift")
 

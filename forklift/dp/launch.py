@@ -21,7 +21,7 @@ from forklift.dp.router import Router
 from forklift.server.announce import ready_line
 from forklift.server.exposure import check_trainer_routes_exposure
 from forklift.server.limits import ServerLimits
-from forklift.server.serve import default_served_name
+from forklift.server.run_server import default_served_name
 from forklift.server.shutdown import DrainingServer
 
 # How long the first start of every replica may take (model load included).

@@ -20,11 +20,11 @@ from torch import nn
 
 from forklift.model.gemma3 import Gemma3ForCausalLM
 from forklift.model.layers.block_weights import BlockInt4, BlockInt8
-from forklift.model.layers.lora_slots import LoRASlots
+from forklift.model.layers.lora_weights import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
-from forklift.native.decode_attention import CACHE_FORMATS, CODED_CACHE_DTYPES
+from forklift.native.decode_attention_kernel import CACHE_FORMATS, CODED_CACHE_DTYPES
 from forklift.native.decode_step import StepLayer, StepLoRA, StepModel, StepQuantWeight
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 

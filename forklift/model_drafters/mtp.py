@@ -1,5 +1,5 @@
 """Drafts from the checkpoint's multi-token prediction layer (Qwen3.5's `mtp.*`,
-model/mtp.py), which reads the target's final hidden states.
+model/mtp_layer.py), which reads the target's final hidden states.
 
 The layer's K/V at position p come from the target's hidden state at p and the token at
 p + 1, so it must see every position the target computes: the engine hands it each step's
@@ -27,7 +27,7 @@ from forklift.model.layers.linear import Linear
 from forklift.model.llama import LayerCache
 from forklift.model.model_config import ModelConfig
 from forklift.model.model_source import iter_model_weights
-from forklift.model.mtp import MultiTokenPredictor
+from forklift.model.mtp_layer import MultiTokenPredictor
 from forklift.runner.memory import kv_block_bytes, module_bytes
 from forklift.runner.model_runner import ModelRunner
 from forklift.spec_decode.proposer import (

@@ -1,5 +1,5 @@
 """The runner's adapters: host copies of the known ones (LRU, `max_cpu_loras`), and the
-device slots every LoRA'd projection holds (model/layers/lora_slots.py).
+device slots every LoRA'd projection holds (model/layers/lora_weights.py).
 
 Adapters are read and checked when first registered, so a bad one fails its request before
 anything is queued. A host copy evicted from the LRU is read again from its directory when
@@ -19,7 +19,7 @@ from torch import nn
 
 from forklift.core.scheduler_output import ScheduledChunk
 from forklift.lora_request import LoRARequest
-from forklift.model.layers.lora_slots import LoRAContext, LoRASlots, LoRAStepRows
+from forklift.model.layers.lora_weights import LoRAContext, LoRASlots, LoRAStepRows
 from forklift.model.lora import PROJECTIONS, LoRAAdapter, build_adapter, load_adapter, target_shapes
 from forklift.model.model_config import ModelConfig
 

@@ -34,7 +34,7 @@ from forklift.model.registry import build_model
 from forklift.model.tensor_parallel import TensorParallelShard
 from forklift.model.tp_group import TensorParallelGroup
 from forklift.model.weight_update import WeightUpdater
-from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_attention_kernel import NativeDecodeAttention
 from forklift.native.decode_step import NativeDecodeStep
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.native.seeded_sample import native_seeded_sampler

@@ -30,25 +30,25 @@ from forklift.server.completions import create_completion
 from forklift.server.errors import APIError, error_response, invalid_body
 from forklift.server.limits import ServerLimits
 from forklift.server.lora_routes import adapter_models, add_lora_routes
-from forklift.server.metrics import ServerMetrics
 from forklift.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from forklift.server.response_store import ResponseStore
-from forklift.server.responses import create_response, delete_response, retrieve_response
-from forklift.server.responses_protocol import ResponsesRequest
+from forklift.server.responses.body import ResponsesRequest
+from forklift.server.responses.handlers import create_response, delete_response, retrieve_response
+from forklift.server.responses.store import ResponseStore
 from forklift.server.serving import ServerContext
-from forklift.server.status import (
+from forklift.server.status.metrics import ServerMetrics
+from forklift.server.status.page import (
     FIRST_TOKEN_JSON_PATH,
     STATUS_JSON_PATH,
     SnapshotSource,
     add_status_routes,
 )
 from forklift.server.tokenizer_info import tokenizer_info
-from forklift.server.tool_parsers import make_parser
+from forklift.server.tools.parsers import make_parser
 from forklift.version import __version__
 
 
@@ -67,7 +67,7 @@ def build_app(
     /v1/files and /v1/batches with a `batch_dir` to keep their files and state in.
 
     `engine_thread=False`: the engine loop is not started; the caller runs
-    `app.state.ctx.async_engine.run_here()` (see `forklift.server.serve`)."""
+    `app.state.ctx.async_engine.run_here()` (see `forklift.server.run_server`)."""
     make_parser(tool_call_parser)  # a bad name fails here, not on the first tool request
     metrics = ServerMetrics()
     async_engine = AsyncEngine(

@@ -22,10 +22,14 @@ from forklift.server.serving import (
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
-from forklift.server.tool_output import ToolCallStreamer, final_message, stream_finish_reason
-from forklift.server.tool_parsers import make_parser
-from forklift.server.tool_prompt import prepare_conversation
-from forklift.server.tools import ToolRequest, tool_request
+from forklift.server.tools.assistant_message import (
+    ToolCallStreamer,
+    final_message,
+    stream_finish_reason,
+)
+from forklift.server.tools.parsers import make_parser
+from forklift.server.tools.prompt import prepare_conversation
+from forklift.server.tools.tool_choice import ToolRequest, tool_request
 from forklift.tokenizer import CHAT_TEMPLATE_ARGUMENTS
 
 # Variables the server passes to the chat template itself, and the names apply_chat_template

@@ -45,7 +45,7 @@ class SamplingFields(BaseModel):
     logprobs_mode: str = "processed"
     # Requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = None
-    # Output constraints (forklift/server/structured.py); vLLM's guided_* arrive as extras.
+    # Output constraints (forklift/server/structured_fields.py); vLLM's guided_* arrive as extras.
     response_format: Any = None
     structured_outputs: Any = None
     # OpenAI's token id (a string in JSON) -> bias in [-100, 100]; vLLM's token choices.

@@ -19,8 +19,8 @@ from forklift.server.field_policy import FieldPolicy
 from forklift.server.limits import ServerLimits, at_most, check_extra_fields
 from forklift.server.protocol import ChatCompletionRequest, SamplingFields
 from forklift.server.streams import merge_streams
-from forklift.server.structured import GUIDED_FIELDS, structured_params
-from forklift.server.tools import ToolRequest
+from forklift.server.structured_fields import GUIDED_FIELDS, structured_params
+from forklift.server.tools.tool_choice import ToolRequest
 from forklift.tokenizer import Tokenizer
 
 
@@ -29,7 +29,7 @@ class ServerContext:
     async_engine: AsyncEngine
     served_model_name: str
     limits: ServerLimits = field(default_factory=ServerLimits)
-    # How `tool_choice: auto` output is read (forklift/server/tool_parsers.py).
+    # How `tool_choice: auto` output is read (forklift/server/tools/parsers.py).
     tool_call_parser: str = "hermes"
     # Fields the server refuses, or ignores with a warning (forklift/server/field_policy.py).
     fields: FieldPolicy = field(

@@ -7,7 +7,7 @@ Two implementations of the same arithmetic:
   reductions, which torch.compile on a CPU lowers to C++ loops that load K and V straight
   from the cache through the block table: no copy of the context.
 
-On a CPU `DecodeAttention` runs the native C kernel (native/decode_attention.py)
+On a CPU `DecodeAttention` runs the native C kernel (native/decode_attention_kernel.py)
 where it builds; these two are its fallback and every other device's kernel. Without the
 native kernel it picks the in-place kernel on a CPU for steps of several sequences and the
 gathered one for a single sequence, where the compiled call's overhead outweighs the copy
@@ -36,7 +36,7 @@ from forklift.model.kv_cache_dtype import (
     is_quantized_cache,
     rotation_applies,
 )
-from forklift.native.decode_attention import NativeDecodeAttention
+from forklift.native.decode_attention_kernel import NativeDecodeAttention
 
 logger = logging.getLogger("forklift")
 

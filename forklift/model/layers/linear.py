@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklift.cpu import cpu_has_fast_bf16
-from forklift.model.layers.lora_slots import LoRASlots
+from forklift.model.layers.lora_weights import LoRASlots
 from forklift.model.layers.quantized import QuantizedWeight, quantized_linear
 
 

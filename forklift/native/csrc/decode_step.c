@@ -48,7 +48,7 @@ static void step_matmul(const QuantWeight *w, const float *x, int64_t rows,
     quant_matmul_rows(w, x, rows, views, rest, out, num_threads);
 }
 
-/* One projection's LoRA slots (forklift/model/layers/lora_slots.py); a == NULL: none. */
+/* One projection's LoRA slots (forklift/model/layers/lora_weights.py); a == NULL: none. */
 typedef struct {
     const float *a;             /* [slots, slices * max_rank, in] */
     const float *b;             /* [slots, max_rank, out]: each output's own slice's ranks */

@@ -23,7 +23,7 @@ from forklift.server.batch.records import BatchLine, is_failure, output_tokens, 
 from forklift.server.batch.runner import run_lines
 from forklift.server.limits import ServerLimits
 from forklift.server.serving import ServerContext
-from forklift.server.tool_parsers import make_parser
+from forklift.server.tools.parsers import make_parser
 
 
 @dataclass

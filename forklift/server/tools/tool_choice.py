@@ -11,7 +11,7 @@ prompt and the decoder need.
 Arguments hold only the parameters a function declares (`closed_schema`).
 
 `parallel_tool_calls: false` allows at most one call. With `auto`, it and a `strict` tool
-constrain decoding to one grammar that allows text or calls (tool_grammar.py).
+constrain decoding to one grammar that allows text or calls (call_grammar.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklift.server.errors import APIError
-from forklift.server.tool_grammar import tool_call_grammar
+from forklift.server.tools.call_grammar import tool_call_grammar
 from forklift.structured.params import StructuredOutputsParams
 
 

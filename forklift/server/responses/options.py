@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from forklift.server.errors import APIError
-from forklift.server.responses_protocol import ResponsesRequest
-from forklift.server.tools import ToolRequest, tool_request
+from forklift.server.responses.body import ResponsesRequest
+from forklift.server.tools.tool_choice import ToolRequest, tool_request
 
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 _CHOICE_MODES = ("auto", "none", "required")

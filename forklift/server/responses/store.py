@@ -15,7 +15,7 @@ class StoredResponse:
     # The response object, as POST returned it.
     response: dict[str, Any]
     # The whole conversation up to and including this response's output, as normalized
-    # input items (forklift/server/responses_input.py); instructions are not part of it.
+    # input items (forklift/server/responses/input.py); instructions are not part of it.
     items: list[dict[str, Any]]
 
 

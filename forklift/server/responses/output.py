@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklift.outputs import RequestOutput
-from forklift.server.responses_protocol import ResponsesRequest
+from forklift.server.responses.body import ResponsesRequest
 from forklift.server.serving import usage
 
 

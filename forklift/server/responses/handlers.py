@@ -19,22 +19,22 @@ from forklift.outputs import RequestOutput
 from forklift.server.chat import chat_prompt_ids
 from forklift.server.errors import APIError
 from forklift.server.protocol import ChatCompletionRequest, ChatMessage
-from forklift.server.response_store import ResponseStore, StoredResponse
-from forklift.server.responses_input import chat_messages, input_items
-from forklift.server.responses_options import chat_response_format, tool_setup
-from forklift.server.responses_output import (
+from forklift.server.responses.body import ResponsesRequest, refuse_unsupported
+from forklift.server.responses.events import StreamedOutput
+from forklift.server.responses.input import chat_messages, input_items
+from forklift.server.responses.options import chat_response_format, tool_setup
+from forklift.server.responses.output import (
     Outcome,
     ResponseFrame,
     output_items,
     response_usage,
 )
-from forklift.server.responses_protocol import ResponsesRequest, refuse_unsupported
-from forklift.server.responses_stream import StreamedOutput
+from forklift.server.responses.store import ResponseStore, StoredResponse
 from forklift.server.serving import Launch, ServerContext, launch, make_params
 from forklift.server.streams import collect_unless_disconnected
-from forklift.server.tool_output import ToolCallStreamer, final_message
-from forklift.server.tool_parsers import ToolCallParser, make_parser
-from forklift.server.tools import ToolRequest
+from forklift.server.tools.assistant_message import ToolCallStreamer, final_message
+from forklift.server.tools.parsers import ToolCallParser, make_parser
+from forklift.server.tools.tool_choice import ToolRequest
 
 # Chat's field names in errors from the shared machinery -> the Responses request's.
 _FIELD_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"))

@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, Response
 from forklift.engine.async_engine import AsyncEngine, EngineDeadError
 from forklift.engine.engine import LLMEngine
 from forklift.engine.snapshot import STATE_NAMES, take_snapshot
-from forklift.server.status_history import StatusHistory
+from forklift.server.status.history import StatusHistory
 
 STATUS_JSON_PATH = "/status.json"
 # Every first-token timeline the server keeps, for benchmarks (`?since=` a Unix time).
@@ -31,7 +31,7 @@ logger = logging.getLogger("forklift")
 
 
 def status_page() -> str:
-    return files("forklift.server").joinpath("status_page.html").read_text(encoding="utf-8")
+    return files("forklift.server.status").joinpath("page.html").read_text(encoding="utf-8")
 
 
 class SnapshotSource:

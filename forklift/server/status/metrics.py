@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from forklift.engine.engine import LLMEngine
 from forklift.outputs import RequestOutput
-from forklift.server.status_history import StatusHistory
+from forklift.server.status.history import StatusHistory
 from forklift.spec_decode.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (

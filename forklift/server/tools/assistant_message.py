@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from forklift.server.tool_parsers import ParsedOutput, ToolCall, ToolCallParser
-from forklift.server.tools import ToolRequest
+from forklift.server.tools.parsers import ParsedOutput, ToolCall, ToolCallParser
+from forklift.server.tools.tool_choice import ToolRequest
 
 
 def parse_choice(text: str, tools: ToolRequest, parser: ToolCallParser) -> ParsedOutput:

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from forklift.server.errors import APIError
-from forklift.server.tools import ToolRequest
+from forklift.server.tools.tool_choice import ToolRequest
 
 _CALL_FORMATS = {
     "hermes": (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from forklift.server.responses_output import (
+from forklift.server.responses.output import (
     function_call_item,
     message_item,
     new_id,
