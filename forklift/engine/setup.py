@@ -21,7 +21,7 @@ from forklift.engine.speculation import Speculator
 from forklift.engine.weights_lifecycle import WeightsLifecycle
 from forklift.model.model_config import ModelConfig
 from forklift.model.model_source import iter_model_weights, load_model_config, quantization_plan
-from forklift.model.mtp import MultiTokenPredictor
+from forklift.model.mtp_layer import MultiTokenPredictor
 from forklift.model.quantize import resolve_quantization
 from forklift.model_drafters.draft_model import (
     DraftModelProposer,
