@@ -34,6 +34,7 @@ from revision_build import ROOT
 
 import forklift.model.kv_cache_dtype as kv_cache_dtype
 import forklift.model.layers.decode_attention as decode_attention
+import forklift.runner.backend as backend
 import forklift.runner.model_runner as model_runner
 from forklift import LLM, SamplingParams
 from forklift.bench.report import cpu_flags
@@ -42,6 +43,7 @@ from forklift.model.layers.quantized import ALWAYS_DENSE_ROWS
 from forklift.runner.prompt_scores import SCORE_SLICE_ROWS
 
 CONTEXT = 2048
+SCORING_MODULES = (model_runner, backend)
 GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS, GREEDY_TOKENS = 16, 128, 48
 
 
@@ -71,11 +73,15 @@ class Capture:
                 self.rows.append(torch.log_softmax(compute_logits(rows)[:count].float(), dim=-1))
             return original(compute_logits, hidden, targets, top)
 
-        model_runner.score_prompt_rows = spy
+        # Both scoring paths import it: the PyTorch layers' (the runner) and the native
+        # step's (the backend).
+        for module in SCORING_MODULES:
+            module.score_prompt_rows = spy
         return self
 
     def __exit__(self, *exc: object) -> None:
-        model_runner.score_prompt_rows = self._original
+        for module in SCORING_MODULES:
+            module.score_prompt_rows = self._original
 
     def logprobs(self) -> torch.Tensor:
         return torch.cat(self.rows)
