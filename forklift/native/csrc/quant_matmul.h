@@ -271,14 +271,16 @@ static inline __m512 pair_scales(const uint16_t *first, const uint16_t *second, 
 }
 
 /* One activation row's block sums (int32, one lane per output of the pair) into its
- * accumulator: the scaled dot, and for q4 the codes' offset. Both paths below end every
- * block here, so a row's result is the same whichever multiplied it. */
+ * accumulator: the scaled dot, and for q4 the codes' offset. xd, xs and offset point at the
+ * row's entries for the block (a QuantizedRow's fields plus the block). Both paths below end
+ * every block here, so a row's result is the same whichever multiplied it. */
 static inline __attribute__((always_inline)) __m512 scale_block_sums(
-    __m512 acc, __m512i dots, __m512 wd, __m512 wm, const QuantizedRow *x, int64_t b, int is_q4) {
-    if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(x->offset[b]));
+    __m512 acc, __m512i dots, __m512 wd, __m512 wm, const float *xd, const float *xs,
+    const int32_t *offset, int is_q4) {
+    if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(*offset));
     const __m512 total = _mm512_cvtepi32_ps(dots);
-    acc = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(x->xd[b])), acc);
-    if (is_q4) acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(x->xs[b]), acc);
+    acc = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(*xd)), acc);
+    if (is_q4) acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(*xs), acc);
     return acc;
 }
 
@@ -310,8 +312,8 @@ static inline __attribute__((always_inline)) void group_pair_tile(
                 even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[c]));
                 odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
             }
-            acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(even, odd), wd, wm, x + r, b,
-                                      is_q4);
+            acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(even, odd), wd, wm, x[r].xd + b,
+                                      x[r].xs + b, x[r].offset + b, is_q4);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
@@ -388,18 +390,14 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const int32_t *done_sums = block_sums[done % 2];
             const __m512 wd = pair_scales(d0, d1, done);
             const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
-            /* scale_block_sums's steps, each row's scales found by its stride: the
-             * rows' pointers would be reloaded per block (the tile asm clobbers memory). */
+            /* Each row's scales found by its stride: the rows' pointers would be reloaded
+             * per block (the tile asm clobbers memory). */
             const float *xd = x[0].xd + done, *xs = x[0].xs + done;
             const int32_t *offset = x[0].offset + done;
-            for (int r = 0; r < QUANT_TILE_ROWS; r++) {
-                __m512i dots = _mm512_load_si512(done_sums + 16 * r);
-                if (!is_q4)
-                    dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(offset[r * stride.offset]));
-                const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[r * stride.xd]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[r]);
-                if (is_q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[r * stride.xs]), acc[r]);
-            }
+            for (int r = 0; r < QUANT_TILE_ROWS; r++)
+                acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
+                                          xd + r * stride.xd, xs + r * stride.xs,
+                                          offset + r * stride.offset, is_q4);
         }
     }
     for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
@@ -454,14 +452,15 @@ static inline void store_sums(float *out, int64_t out_stride, int64_t row, int64
     if (fold > 0 && row >= fold) {
         float *dst = out + (row - fold) * out_stride + first;
         for (int64_t i = 0; i < width; i++) dst[i] += sums[i];
-    } else if (width == 8) { /* a whole group: one store, not a library call per row */
-#if defined(__AVX2__)
-        _mm256_storeu_ps(out + row * out_stride + first, _mm256_loadu_ps(sums));
-#else
-        memcpy(out + row * out_stride + first, sums, sizeof(float) * 8);
-#endif
     } else {
-        memcpy(out + row * out_stride + first, sums, sizeof(float) * (size_t)width);
+        float *dst = out + row * out_stride + first;
+#if defined(__AVX2__)
+        if (width == 8) { /* a whole group: one store, not a library call per row */
+            _mm256_storeu_ps(dst, _mm256_loadu_ps(sums));
+            return;
+        }
+#endif
+        memcpy(dst, sums, sizeof(float) * (size_t)width);
     }
 }
 
