@@ -38,16 +38,37 @@ TARGETS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(TARGETS))
-def target_kernel(request) -> NativeDecodeAttention:
-    arch, needs = TARGETS[request.param]
+def load_target(name: str) -> NativeDecodeAttention:
+    """TARGETS[name]'s build of the kernel; skips where this machine cannot build or run it."""
+    arch, needs = TARGETS[name]
     if native_build.find_compiler() is None:
         pytest.skip("no C compiler on this machine")
     if not needs <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {request.param} build")
+        pytest.skip(f"this CPU cannot run the {name} build")
     library = native_build.load_native_library("decode_attention", arch)
     assert library is not None, "a C compiler is here, yet the kernel did not build or load"
     return NativeDecodeAttention(library)
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target_kernel(request) -> NativeDecodeAttention:
+    return load_target(request.param)
+
+
+def paged_tables(gen, lengths, block_size, num_blocks, window=None):
+    """Block tables for sequences of `lengths` over blocks 1 .. num_blocks - 1 in random
+    order (one spare column of block 0), and each position's bias and validity: a prefix of
+    `lengths`, or its last `window` positions."""
+    seqs = lengths.shape[0]
+    width = -(-int(lengths.max()) // block_size) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width) + 1
+    used = torch.arange(width)[None, :] < (-(-lengths // block_size))[:, None]
+    blocks = torch.where(used, order, 0)
+    pos = torch.arange(width * block_size)[None, :]
+    valid = pos < lengths[:, None]
+    if window is not None:
+        valid &= pos > lengths[:, None] - 1 - window
+    return blocks, torch.where(valid, 0.0, float("-inf")), valid
 
 
 def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
@@ -57,15 +78,7 @@ def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
     lengths = torch.randint(1, 8 * block_size, (seqs,), generator=gen)
-    width = -(-int(lengths.max()) // block_size) + 1
-    order = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width) + 1
-    used = torch.arange(width)[None, :] < (-(-lengths // block_size))[:, None]
-    blocks = torch.where(used, order, 0)
-    pos = torch.arange(width * block_size)[None, :]
-    valid = pos < lengths[:, None]
-    if window is not None:
-        valid &= pos > lengths[:, None] - 1 - window
-    bias = torch.where(valid, 0.0, float("-inf"))
+    blocks, bias, valid = paged_tables(gen, lengths, block_size, num_blocks, window)
     q = torch.randn(seqs, kv_heads * group, head_dim, generator=gen).to(dtype)
     return q, key_cache, value_cache, blocks, bias, valid
 

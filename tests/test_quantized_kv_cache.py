@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_batch_invariance import _prompt, _result
-from test_native_decode_attention import TARGETS, _reference
+from test_native_decode_attention import TARGETS, _reference, load_target, paged_tables
 from test_spec_decode_engine import with_oracle
 from tiny_models import make_tiny_hybrid, make_tiny_model
 
@@ -136,15 +136,9 @@ class Target:
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def target(request) -> Target:
-    arch, needs = TARGETS[request.param]
-    if native_build.find_compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {request.param} build")
-    library = native_build.load_native_library("decode_attention", arch)
-    assert library is not None, "a C compiler is here, yet the kernel did not build or load"
-    native_bf16 = arch is None and "avx512_bf16" in cpu_flags()
-    return Target(NativeDecodeAttention(library), native_bf16)
+    kernel = load_target(request.param)
+    native_bf16 = TARGETS[request.param][0] is None and "avx512_bf16" in cpu_flags()
+    return Target(kernel, native_bf16)
 
 
 def _coded_case(seqs, kv_heads, group, head_dim, lengths, block_size=4, window=None, seed=0,
@@ -157,15 +151,8 @@ def _coded_case(seqs, kv_heads, group, head_dim, lengths, block_size=4, window=N
     offsets = 0.3 * (torch.arange(num_blocks) % 5).float()[None, :, None, None]
     key_cache = quantize_rows(torch.randn(shape, generator=gen) * 2, storage)
     value_cache = quantize_rows(torch.randn(shape, generator=gen) + offsets, storage)
-    order = 1 + torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
-    lengths = torch.tensor(lengths)
-    used = torch.arange(width)[None, :] < (-(-lengths // block_size))[:, None]
-    blocks = torch.where(used, order, 0)
-    pos = torch.arange(width * block_size)[None, :]
-    valid = pos < lengths[:, None]
-    if window is not None:
-        valid &= pos > lengths[:, None] - 1 - window
-    bias = torch.where(valid, 0.0, float("-inf"))
+    blocks, bias, valid = paged_tables(gen, torch.tensor(lengths), block_size, num_blocks,
+                                       window)  # fmt: skip
     q = torch.randn(seqs, kv_heads * group, head_dim, generator=gen)
     return q, key_cache, value_cache, blocks, bias, valid
 
