@@ -128,19 +128,6 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(interval_model):
     _assert_nothing_held(llm)
 
 
-def test_prefix_caching_is_off_with_the_same_output(interval_model, caplog):
-    prompts = _prompts(6, [40, 40])
-    prompts[1] = prompts[0][:36] + prompts[1][36:]  # a shared prefix of nine blocks
-    with caplog.at_level("INFO", logger="forklift"):
-        llm = _llm(interval_model.path, enable_prefix_caching=True)
-    assert "prefix caching is off for this hybrid model" in caplog.text
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    again = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
-    assert llm.llm_engine.prefix_cache_stats().enabled is False
-    _assert_matches_hf(interval_model.hf_model, prompts, again)
-
-
 def test_aborts_give_back_blocks_and_state_slots(interval_model):
     llm = _llm(interval_model.path)
     engine = llm.llm_engine

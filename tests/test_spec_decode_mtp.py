@@ -51,7 +51,8 @@ def reference_first_guess(target, mtp: dict[str, torch.Tensor], tokens: list[int
 
 def test_mtp_guesses_what_the_layer_computes_over_the_whole_sequence(mtp_model):
     tiny, mtp = mtp_model
-    llm = hybrid_llm(tiny.path, speculative_config=MTP)
+    # No prefix cache: its checkpoints would stop the prompt short of its end.
+    llm = hybrid_llm(tiny.path, speculative_config=MTP, enable_prefix_caching=False)
     proposer = llm.llm_engine.proposer
     seen = []
     forward = proposer._forward
@@ -70,6 +71,20 @@ def test_mtp_guesses_what_the_layer_computes_over_the_whole_sequence(mtp_model):
         assert tokens == prompt[1:] + [output.token_ids[0]]
         expected = reference_first_guess(tiny.hf_model, mtp, prompt + [output.token_ids[0]])
         assert torch.allclose(guessed, expected, atol=1e-4)
+
+
+def test_mtp_drafts_for_sequences_resumed_from_the_prefix_cache(mtp_model):
+    tiny, _ = mtp_model
+    prompts = prompts_of(4, seed=3)
+    expected = run(hybrid_llm(tiny.path), prompts, GREEDY)
+    llm = hybrid_llm(tiny.path, speculative_config=MTP)
+    run(llm, prompts, GREEDY)
+    before = llm.llm_engine.spec_stats.num_draft_tokens
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(output.num_cached_tokens > 0 for output in again)
+    assert_same(again, expected)
+    assert llm.llm_engine.spec_stats.num_draft_tokens > before
+    assert_nothing_held(llm)
 
 
 @pytest.mark.parametrize(

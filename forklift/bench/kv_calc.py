@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from forklift.config import KV_CACHE_DTYPES
 from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
+from forklift.core.state_checkpoints import CHECKPOINT_BUDGET_SHARE
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
 # A coded cache row's float32 scale after its one-byte codes (model/kv_cache_dtype.py).
@@ -280,7 +281,24 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
                 f"  with each request's linear-layer state: {budget // per_request:,} "
                 f"requests at once"
             )
+            for line in checkpoint_lines(state.bytes_per_sequence(dtype_bytes(args.dtype)),
+                                         per_token, budget):  # fmt: skip
+                print(line)
     return 0
+
+
+def checkpoint_lines(state_bytes: int, bytes_per_token: int, budget: int) -> list[str]:
+    """What prefix caching's state checkpoints (one state each) cost a hybrid model."""
+    lines = [
+        f"  prefix caching: up to {budget // CHECKPOINT_BUDGET_SHARE // state_bytes:,} "
+        f"linear-layer state checkpoints (1/{CHECKPOINT_BUDGET_SHARE} of the budget)"
+    ]
+    if bytes_per_token:
+        lines.append(
+            f"  each checkpoint holds as many bytes as {state_bytes / bytes_per_token:,.0f} "
+            "tokens of K/V"
+        )
+    return lines
 
 
 def _check_args(args: argparse.Namespace) -> None:

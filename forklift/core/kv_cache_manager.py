@@ -7,6 +7,7 @@ from array import array
 from collections.abc import Sequence
 
 from forklift.core.block_pool import NULL_BLOCK_ID, BlockKey, BlockPool
+from forklift.core.state_checkpoints import StateCheckpoints
 
 _ROOT_DIGEST = b""
 
@@ -93,6 +94,8 @@ class KVCacheManager:
         # Prompt tokens looked up and found in the cache, over all admissions.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        # A hybrid model's linear-layer state checkpoints, reset with the blocks.
+        self.state_checkpoints: StateCheckpoints | None = None
 
     @property
     def num_groups(self) -> int:
@@ -119,11 +122,13 @@ class KVCacheManager:
         group's; `lookup_prefix` gives every group's)."""
         return self.lookup_prefix(token_ids, extra_key)[0]
 
-    def lookup_prefix(self, token_ids: Sequence[int], extra_key: bytes = b"") -> list[list[int]]:
+    def lookup_prefix(
+        self, token_ids: Sequence[int], extra_key: bytes = b"", max_blocks: int | None = None
+    ) -> list[list[int]]:
         """Each group's cached blocks for the longest prefix of full blocks of `token_ids`
-        that every group can serve: a group without a window needs every block of it, a
-        windowed group only the blocks its window reaches from the prefix's end (the null
-        block before them).
+        (at most `max_blocks` of them) that every group can serve: a group without a window
+        needs every block of it, a windowed group only the blocks its window reaches from the
+        prefix's end (the null block before them).
 
         The last token is never covered, so a request always computes at least one token
         and has logits to sample from.
@@ -132,7 +137,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return empty
         size = self.block_size
-        keys, first_hits = self._chain(token_ids, extra_key)
+        keys, first_hits = self._chain(token_ids, extra_key, max_blocks)
         hits = [first_hits] + [
             [self.pool.lookup(_group_key(key, group)) for key in keys]
             for group in range(1, self.num_groups)
@@ -153,18 +158,41 @@ class KVCacheManager:
             tables.append([NULL_BLOCK_ID] * first + [b for b in blocks if b is not None])
         return tables
 
+    def chain_digests(
+        self, token_ids: Sequence[int], extra_key: bytes, num_blocks: int
+    ) -> list[bytes]:
+        """The digests of the chain of the first `num_blocks` full blocks of `token_ids`."""
+        digests: list[bytes] = []
+        parent = _ROOT_DIGEST
+        size = self.block_size
+        for index in range(num_blocks):
+            parent = block_key(
+                parent, token_ids[index * size : (index + 1) * size], extra_key
+            ).digest
+            digests.append(parent)
+        return digests
+
+    def block_digest(self, request_id: str, index: int) -> bytes | None:
+        """The chain digest of the request's block `index` once it is computed and cacheable;
+        None before, or for a request computed before the last reset."""
+        keys = self._keys.get(request_id)
+        return keys[index].digest if keys is not None and index < len(keys) else None
+
     def _chain(
-        self, token_ids: Sequence[int], extra_key: bytes
+        self, token_ids: Sequence[int], extra_key: bytes, max_blocks: int | None = None
     ) -> tuple[list[BlockKey], list[int | None]]:
-        """Keys of the full blocks before the last token and the first group's hits for them.
-        Where the first group reads the whole context, the chain stops at its first miss: no
-        prefix can reach past it."""
+        """Keys of the full blocks before the last token (at most `max_blocks`) and the first
+        group's hits for them. Where the first group reads the whole context, the chain stops
+        at its first miss: no prefix can reach past it."""
         size = self.block_size
         stop_at_miss = self.windows[0] is None
         parent = _ROOT_DIGEST
         keys: list[BlockKey] = []
         hits: list[int | None] = []
-        for start in range(0, len(token_ids) - 1 - size + 1, size):
+        end = len(token_ids) - 1 - size + 1
+        if max_blocks is not None:
+            end = min(end, max_blocks * size - size + 1)
+        for start in range(0, end, size):
             key = block_key(parent, token_ids[start : start + size], extra_key)
             block_id = self.pool.lookup(key)
             if block_id is None and stop_at_miss:
@@ -220,6 +248,8 @@ class KVCacheManager:
         """
         self._keys.clear()
         self._uncacheable.update(self._tables)
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.clear()
         return self.pool.reset_prefix_cache()
 
     # ---- tables --------------------------------------------------------------------------

@@ -15,7 +15,10 @@ prefills at the full budget.
 A hybrid model's linear layers also need a state slot per running sequence (`state_pool`),
 taken at admission and given back at finish or preemption. Its samples of one prompt fork the
 leader's state where the shared blocks end: the leader's prefill chunk is cut at that block
-boundary, and the step after it copies the state into each sample's slot.
+boundary, and the step after it copies the state into each sample's slot. With prefix
+caching its states are checkpointed at chosen block boundaries (core/state_checkpoints.py):
+prompt chunks stop there, the step after copies the state into a checkpoint slot, and an
+admitted request resumes from the latest checkpoint its cached blocks reach.
 
 With LoRA adapters, a running request holds its adapter's slot (`lora_slots`); a waiting
 request whose adapter finds no free slot is passed over until one frees.
@@ -158,13 +161,28 @@ class Scheduler:
         shared = (request.num_prompt_tokens - 1) // self.kv_manager.block_size
         return shared * self.kv_manager.block_size if shared else None
 
+    def _next_cut(self, request: Request, start: int) -> int | None:
+        """Hybrid models: where a prompt chunk from `start` must stop so the state there can be
+        copied (a fork for samples, a checkpoint); None: nowhere."""
+        cuts = []
+        fork = self._fork_point(request)
+        if fork is not None and start < fork:
+            cuts.append(fork)
+        checkpoints = self.kv_manager.state_checkpoints
+        if checkpoints is not None:
+            plan = checkpoints.plan(request.request_id, request.num_prompt_tokens)
+            boundary = plan.next_boundary(start)
+            if boundary is not None:
+                cuts.append(boundary)
+        return min(cuts) if cuts else None
+
     def _chunk(self, request: Request, start: int, budget: int) -> int:
         """Tokens of `request` this step computes from `start`, within the budgets (0: none);
         a prefill chunk is charged to the step's prefill budget."""
         num_new = min(request.num_tokens - start, budget)
-        fork = self._fork_point(request)
-        if fork is not None and start < fork:
-            num_new = min(num_new, fork - start)  # stop where the state is forked
+        cut = self._next_cut(request, start) if self.state_pool is not None else None
+        if cut is not None:
+            num_new = min(num_new, cut - start)  # stop where the state is copied
         if num_new > 1 and self._prefill_budget is not None:
             num_new = min(num_new, self._prefill_budget)
             self._prefill_budget -= num_new
@@ -266,6 +284,9 @@ class Scheduler:
         # A request scoring its prompt computes every prompt position: no cache hit for it.
         lookup = fresh and request.sampling_params.prompt_logprobs is None
         cached = kv.lookup_prefix(request.all_token_ids, request.cache_key) if lookup else []
+        restore = None
+        if lookup and kv.state_checkpoints is not None:
+            cached, restore = self._resume_point(request, cached)
         start = request.num_computed_tokens + (len(cached[0]) if cached else 0) * kv.block_size
         num_new = self._chunk(request, start, budget)
         if num_new == 0 or not kv.allocate_slots(
@@ -273,7 +294,9 @@ class Scheduler:
         ):
             return None
         if self.state_pool is not None:
-            self.state_pool.allocate(request.request_id)  # keeps a slot it already holds
+            slot = self.state_pool.allocate(request.request_id)  # keeps one it already holds
+            if restore is not None and slot is not None:
+                self._pending_state_copies.append((restore, slot))
         if self.lora_slots is not None and request.lora_id > 0:
             self.lora_slots.acquire(request.request_id, request.lora_id)
         if fresh and kv.enable_prefix_caching:
@@ -282,6 +305,58 @@ class Scheduler:
                 request.num_cached_tokens = start
         request.num_computed_tokens = start
         return self._chunk_of(request, num_new)
+
+    def _resume_point(
+        self, request: Request, cached: list[list[int]]
+    ) -> tuple[list[list[int]], int | None]:
+        """Hybrid models: the cached blocks a request can resume after (those up to the latest
+        checkpoint they reach) and that checkpoint's slot; none without one. Cached blocks
+        past the checkpoint make the request leave one where they end."""
+        kv = self.kv_manager
+        checkpoints = kv.state_checkpoints
+        assert checkpoints is not None
+        hits = len(cached[0]) if cached else 0
+        tokens = request.all_token_ids
+        digests = kv.chain_digests(tokens, request.cache_key, hits)
+        for count in range(hits, 0, -1):
+            slot = checkpoints.lookup(digests[count - 1])
+            if slot is None:
+                continue
+            if count < hits:
+                cached = kv.lookup_prefix(tokens, request.cache_key, max_blocks=count)
+            if cached and len(cached[0]) == count:
+                checkpoints.mark_branch(request.request_id, hits * kv.block_size,
+                                        count * kv.block_size)  # fmt: skip
+                return cached, slot
+            break
+        checkpoints.mark_branch(request.request_id, hits * kv.block_size, 0)
+        return [], None
+
+    def _checkpoint(self, request: Request) -> None:
+        """Hybrid models: copy the state of a sequence that stands at a block boundary into a
+        checkpoint slot where its plan keeps one, or past its prompt into the slot it holds
+        for the next turn; the copy is made before the next step runs."""
+        kv = self.kv_manager
+        checkpoints = kv.state_checkpoints
+        position = request.num_computed_tokens
+        if checkpoints is None or position == 0 or position % kv.block_size:
+            return
+        digest = kv.block_digest(request.request_id, position // kv.block_size - 1)
+        if digest is None:  # not cacheable (computed before a reset)
+            return
+        plan = checkpoints.plan(request.request_id, request.num_prompt_tokens)
+        if plan.is_boundary(position):
+            target = checkpoints.reserve(digest)
+        elif position > plan.prompt_end:
+            target = checkpoints.hold(request.request_id, digest)
+        else:
+            return
+        if target is not None:
+            self._pending_state_copies.append((self._slot(request), target))
+
+    def _release_checkpoint(self, request: Request) -> None:
+        if self.kv_manager.state_checkpoints is not None:
+            self.kv_manager.state_checkpoints.release(request.request_id)
 
     def _chunk_of(
         self, request: Request, num_new: int, num_drafts: int = 0, lent: Sequence[int] = ()
@@ -320,6 +395,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._drop_block_copies(request)
+        self._release_checkpoint(request)
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)
@@ -364,6 +440,7 @@ class Scheduler:
             self.kv_manager.cache_full_blocks(
                 request.request_id, computed_ids, request.num_computed_tokens, request.cache_key
             )
+            self._checkpoint(request)
             if request.followers and self._reached_fork(request):
                 self._release_followers(request)
             for position, token_id in enumerate(tokens):
@@ -451,6 +528,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._drop_block_copies(request)
+        self._release_checkpoint(request)
         self.kv_manager.free(request.request_id)
         if self.state_pool is not None:
             self.state_pool.free(request.request_id)

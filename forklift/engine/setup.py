@@ -15,6 +15,7 @@ from forklift.config import EngineConfig
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.scheduler import Scheduler
+from forklift.core.state_checkpoints import DEFAULT_INTERVAL_TOKENS, StateCheckpoints
 from forklift.core.state_pool import StatePool
 from forklift.engine.lora_registry import LoRARegistry
 from forklift.engine.speculation import Speculator
@@ -161,6 +162,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
         prefix_caching_enabled(config, model_config, kv_plan),
         kv_plan.windows,
     )
+    if kv_manager.enable_prefix_caching and model_config.is_hybrid:
+        first = kv_plan.num_state_slots + 1  # after the zero slot and the sequences' slots
+        kv_manager.state_checkpoints = StateCheckpoints(
+            range(first, first + kv_plan.num_checkpoint_slots),
+            config.block_size,
+            DEFAULT_INTERVAL_TOKENS,
+        )
     mtp = MtpProposer(mtp_layer, runner, kv_manager) if mtp_layer is not None else None
     weights = WeightsLifecycle(runner, draft_runner, mtp, kv_manager, kv_plan)
     weights.allocate_kv_caches()
@@ -248,6 +256,7 @@ def plan_kv_cache(
         memory_utilization=config.resolve_memory_utilization(device),
         extra_weight_bytes=extra_weight_bytes,
         extra_block_bytes=extra_block_bytes,
+        state_checkpoints=config.enable_prefix_caching and model_config.is_hybrid,
     )
 
 
@@ -274,14 +283,14 @@ def prefix_caching_enabled(
 ) -> bool:
     if not config.enable_prefix_caching or not model_config.is_hybrid:
         return config.enable_prefix_caching
-    # A hit would have to restore the linear layers' state where the cached prefix ends,
-    # i.e. a state snapshot kept per cached block: far larger than the block itself.
+    if plan.num_checkpoint_slots:
+        return True
+    # A hit resumes from a checkpoint of the linear layers' state where the prefix ends.
     logger.info(
-        "prefix caching is off for this hybrid model: restoring a cached prefix needs a "
-        "linear-layer state snapshot per block, %.2f MiB each, against %.2f MiB of KV per "
-        "block",
+        "prefix caching is off for this hybrid model: the memory budget (%s) holds no "
+        "linear-layer state checkpoint of %.2f MiB",
+        plan.source,
         plan.state_bytes_per_slot / 2**20,
-        plan.bytes_per_block / 2**20,
     )
     return False
 
@@ -374,7 +383,14 @@ def log_startup(parts: EngineParts, spec: SpeculativeConfig | None) -> None:
             "and spares for verifying drafts)",
             plan.num_state_slots,
             plan.state_bytes_per_slot / 2**20,
-            plan.state_bytes / 2**20,
+            plan.num_state_slots * plan.state_bytes_per_slot / 2**20,
+        )
+    if plan.num_checkpoint_slots and parts.kv_manager.state_checkpoints is not None:
+        logger.info(
+            "linear-layer state checkpoints for prefix caching: %d slots x %.2f MiB = %.1f MiB",
+            plan.num_checkpoint_slots,
+            plan.state_bytes_per_slot / 2**20,
+            plan.checkpoint_bytes / 2**20,
         )
     logger.info("%s", runner.quantization_report.summary())
     logger.info("weights resident: %.1f MiB", runner.weight_bytes / 2**20)

@@ -102,6 +102,7 @@ def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapsh
     for view in requests:
         view.cells = request_cells(tables.get(view.request_id, []), blocks.group)
     pool = kv.pool
+    checkpoints = kv.state_checkpoints  # a hybrid model's, with prefix caching
     return EngineSnapshot(
         time=now,
         config=engine_config(engine),
@@ -112,6 +113,8 @@ def take_snapshot(engine: LLMEngine, max_cells: int = MAX_CELLS) -> EngineSnapsh
             "usage": pool.usage(),
             "evictions": pool.num_evictions,
             "preemptions": scheduler.num_preemptions,
+            "state_checkpoints": checkpoints.num_checkpoints if checkpoints else 0,
+            "state_checkpoint_slots": checkpoints.capacity if checkpoints else 0,
         },
         blocks=blocks,
         requests=requests,

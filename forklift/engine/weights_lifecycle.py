@@ -42,7 +42,10 @@ class WeightsLifecycle:
         return [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
 
     def allocate_kv_caches(self) -> None:
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.kv_plan.num_state_slots)
+        plan = self.kv_plan
+        # A hybrid's checkpoint slots follow its sequences' slots in the same tensors.
+        slots = plan.num_state_slots + plan.num_checkpoint_slots if plan.num_state_slots else 0
+        self.runner.allocate_kv_cache(plan.num_blocks, slots)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
         if self.mtp is not None:

@@ -165,7 +165,15 @@ class MtpProposer:
         for chunk in scheduled:
             rows = hidden[first : first + chunk.num_new_tokens].detach().clone()
             first += chunk.num_new_tokens
-            self._progress.setdefault(chunk.request_id, MtpProgress()).add(chunk.start, rows)
+            progress = self._progress.get(chunk.request_id)
+            if progress is None:
+                # A sequence resumed from the prefix cache starts where its first chunk does:
+                # the layer's K/V before it are the cached blocks', written by the request
+                # that computed them (their last position from that request's next token:
+                # a guess may differ, never an output).
+                progress = MtpProgress(num_computed=chunk.start, hidden_start=chunk.start)
+                self._progress[chunk.request_id] = progress
+            progress.add(chunk.start, rows)
 
     def knows(self, request_id: str) -> bool:
         return request_id in self._progress

@@ -117,10 +117,12 @@ class CacheTensors:
             for block in fresh_blocks.tolist():
                 self.blocks[:, :, :, block].zero_()
         if state_copies is not None and state_copies.numel():
-            source, target = state_copies[:, 0], state_copies[:, 1]
-            for states in (self.conv_states, self.recurrent_states):
-                if states is not None:
-                    states.index_copy_(1, target, states.index_select(1, source))
+            # One pair at a time, in order: a checkpoint taken from a slot is copied before a
+            # later pair writes that slot, and a restore reads a checkpoint copied before it.
+            for source, target in state_copies.tolist():
+                for states in (self.conv_states, self.recurrent_states):
+                    if states is not None:
+                        states[:, target].copy_(states[:, source])
         if block_copies is not None and self.blocks is not None:
             cache = self.blocks
             # Block by block: index_copy_ along the block dimension is ten times slower.

@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from forklift.core.kv_cache_manager import blocks_per_sequence
+from forklift.core.state_checkpoints import CHECKPOINT_BUDGET_SHARE
 from forklift.model.kv_cache_dtype import KVCacheFormat, kv_cache_format
 from forklift.model.kv_layout import kv_layout
 from forklift.model.model_config import ModelConfig
@@ -114,9 +115,10 @@ class KVCachePlan:
     # How the budget was derived, for the startup log.
     source: str
     # Hybrid models: per-sequence state slots taken from the same budget (slot 0, all zeros,
-    # is extra and not counted).
+    # is extra and not counted), and with prefix caching the checkpoint slots after them.
     num_state_slots: int = 0
     state_bytes_per_slot: int = 0
+    num_checkpoint_slots: int = 0
     # Each KV group's window (None: whole context); a sequence holds blocks in every group.
     windows: tuple[int | None, ...] = (None,)
     # The most tokens one step computes for a sequence (a windowed group holds them too).
@@ -124,7 +126,14 @@ class KVCachePlan:
 
     @property
     def state_bytes(self) -> int:
-        return (self.num_state_slots + 1) * self.state_bytes_per_slot if self.num_state_slots else 0
+        """Every state slot's bytes: the zero slot, the sequences' and the checkpoints'."""
+        if not self.num_state_slots:
+            return 0
+        return (self.num_state_slots + self.num_checkpoint_slots + 1) * self.state_bytes_per_slot
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.num_checkpoint_slots * self.state_bytes_per_slot
 
     @property
     def token_capacity(self) -> int:
@@ -158,11 +167,14 @@ def plan_kv_cache(
     num_blocks_override: int | None = None,
     max_chunk: int = 0,
     extra_bytes_per_block: int = 0,
+    state_checkpoints: bool = False,
 ) -> KVCachePlan:
     """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
-    layers (fewer slots then cap how many sequences run at once). `num_blocks_override`
-    fixes the block count instead (and gives a hybrid model a slot per sequence).
+    layers (fewer slots then cap how many sequences run at once), and with
+    `state_checkpoints` (prefix caching) up to an eighth of the budget for checkpoint slots,
+    at most four per sequence slot. `num_blocks_override` fixes the block count instead (and
+    gives a hybrid model a slot and a checkpoint per sequence).
     `extra_bytes_per_block`: a speculation drafter's K/V (a draft model's, an MTP
     layer's), held in the same blocks. `kv_format`: how the blocks hold K/V (default: in
     `dtype`)."""
@@ -172,11 +184,14 @@ def plan_kv_cache(
     per_slot = state_bytes_per_sequence(model_config, dtype)
     if num_blocks_override is not None:
         slots = max_num_seqs if per_slot else 0
-        budget = num_blocks_override * bytes_per_block + ((slots + 1) * per_slot if slots else 0)
+        checkpoints = slots if state_checkpoints else 0
+        budget = num_blocks_override * bytes_per_block + (
+            (slots + checkpoints + 1) * per_slot if slots else 0
+        )
         source = f"num_gpu_blocks_override={num_blocks_override}"
         return KVCachePlan(
             num_blocks_override, block_size, bytes_per_block, budget, source, slots, per_slot,
-            **groups,
+            checkpoints, **groups,
         )  # fmt: skip
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
@@ -188,15 +203,17 @@ def plan_kv_cache(
             f"{weight_bytes / 2**30:.2f} GiB - activation peak "
             f"{activation_peak_bytes / 2**30:.2f} GiB"
         )
-    slots = 0
+    slots = checkpoints = 0
     if per_slot:
         slots = max(min(max_num_seqs, (budget // 2) // per_slot - 1), 0)
-    blocks_budget = budget - ((slots + 1) * per_slot if slots else 0)
+    if slots and state_checkpoints:
+        checkpoints = min(max(budget // CHECKPOINT_BUDGET_SHARE, 0) // per_slot, 4 * slots)
+    blocks_budget = budget - ((slots + checkpoints + 1) * per_slot if slots else 0)
     if not model_config.attention_layers:
         num_blocks = 2  # the null block and one more: the block tables still need a target
     else:
         num_blocks = max(blocks_budget // bytes_per_block, 0)
     return KVCachePlan(
         int(num_blocks), block_size, bytes_per_block, int(budget), source, slots, per_slot,
-        **groups,
+        checkpoints, **groups,
     )  # fmt: skip

@@ -160,9 +160,10 @@ class ModelRunner:
         num_blocks_override: int | None = None,
         extra_weight_bytes: int = 0,
         extra_block_bytes: int = 0,
+        state_checkpoints: bool = False,
     ) -> KVCachePlan:
         """Blocks for the budget; a speculation drafter's weights and its K/V in every block
-        (`extra_*`) come out of the same budget."""
+        (`extra_*`) come out of the same budget, as do a hybrid model's state checkpoints."""
         peak = 0
         if kv_cache_memory_bytes is None and num_blocks_override is None:
             if self.one_forward:
@@ -191,6 +192,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_chunk=max_num_batched_tokens,
             extra_bytes_per_block=extra_block_bytes,
+            state_checkpoints=state_checkpoints,
         )
 
     @property

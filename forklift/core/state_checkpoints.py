@@ -1,0 +1,173 @@
+"""Checkpoints of a hybrid model's linear-layer states at block boundaries: prefix caching for
+the hybrid family.
+
+A hybrid's attention layers keep K/V in blocks like any model's, and those blocks are cached
+as usual. Its linear layers carry one fixed-size state per sequence instead, which no block
+can rebuild, so a prefix hit needs the state where the prefix ends. A checkpoint is a copy of
+a sequence's state slot made when its computation stood exactly at a block boundary, kept in
+a slot of its own (past the running sequences' slots, in the same tensors) and found by the
+digest of the block chain up to that boundary, which carries the cache salt, adapter and
+weight version along with the tokens. A hit resumes from the latest checkpoint at or before
+the longest cached prefix and recomputes the rest.
+
+Boundaries, chosen so the common cases hit (`CheckpointPlan`):
+- the end of the prompt's full blocks before its last token: the same prompt again, or a
+  sample of `n > 1` (which forks there anyway);
+- every `interval` tokens inside a long prompt, so a long shared document costs at most
+  `interval` tokens of recompute to the second request that shares it;
+- a branch point: a request whose cached K/V reach past its latest checkpoint (a shared
+  system prompt followed by other text) leaves a checkpoint where the cached blocks end, and
+  the requests after it resume there;
+- the last boundary a sequence reached when it ends (the next chat turn starts there): while
+  it decodes, every boundary it lands on overwrites one held slot, which is filed under its
+  digest when the sequence finishes.
+
+A prompt chunk stops at each of its boundaries, so a request that misses computes the same
+chunks as one that hits and resumes there. Checkpoints are evicted least recently used;
+resetting the prefix cache drops them all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Tokens between checkpoints inside a long prompt (rounded down to whole blocks).
+DEFAULT_INTERVAL_TOKENS = 1024
+# Checkpoint slots take at most 1 / this of the KV cache's memory budget.
+CHECKPOINT_BUDGET_SHARE = 8
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where one request's prompt stops for a checkpoint."""
+
+    block_size: int
+    interval: int
+    num_prompt_tokens: int
+    # Where the request's cached K/V ended when it was admitted (0: nowhere to mark).
+    branch: int = 0
+
+    @property
+    def prompt_end(self) -> int:
+        """The end of the full blocks before the prompt's last token (0: none)."""
+        return (self.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def is_boundary(self, position: int) -> bool:
+        """Whether the prompt keeps a checkpoint at `position` (a block boundary)."""
+        if position <= 0 or position > self.prompt_end:
+            return False
+        return position in (self.prompt_end, self.branch) or position % self.interval == 0
+
+    def next_boundary(self, start: int) -> int | None:
+        """The first checkpoint boundary after `start`, or None past the prompt's last one."""
+        end = self.prompt_end
+        if start >= end:
+            return None
+        candidates = [end, (start // self.interval + 1) * self.interval]
+        if start < self.branch <= end:
+            candidates.append(self.branch)
+        return min(candidates)
+
+
+@dataclass
+class _Held:
+    """A running sequence's slot for the last boundary it reached past its prompt."""
+
+    slot: int
+    digest: bytes | None = None
+
+
+class StateCheckpoints:
+    """The checkpoint slots: an LRU index from chain digest to slot, plus one held slot per
+    sequence decoding past its prompt. Every slot is free, indexed, or held."""
+
+    def __init__(self, slots: Sequence[int], block_size: int, interval: int) -> None:
+        if not slots:
+            raise ValueError("state checkpoints need at least one slot")
+        self.block_size = block_size
+        self.interval = max(interval // block_size, 1) * block_size
+        self.slots = tuple(slots)
+        self.capacity = len(slots)
+        self._free = list(reversed(slots))
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._held: dict[str, _Held] = {}
+        self._branches: dict[str, int] = {}
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._index)
+
+    def plan(self, request_id: str, num_prompt_tokens: int) -> CheckpointPlan:
+        return CheckpointPlan(
+            self.block_size, self.interval, num_prompt_tokens, self._branches.get(request_id, 0)
+        )
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The slot holding the state after the chain `digest` ends, marked recently used."""
+        slot = self._index.get(digest)
+        if slot is not None:
+            self._index.move_to_end(digest)
+        return slot
+
+    def mark_branch(self, request_id: str, cached_end: int, resumed_at: int) -> None:
+        """A request admitted with K/V cached up to `cached_end` resumes at `resumed_at`: where
+        they differ, its prompt leaves a checkpoint at the cached end (a branch point)."""
+        if cached_end > resumed_at:
+            self._branches[request_id] = cached_end
+        else:
+            self._branches.pop(request_id, None)
+
+    def reserve(self, digest: bytes) -> int | None:
+        """A slot to copy a new checkpoint into, filed under `digest`; None when that chain
+        has one already or every slot is held."""
+        if digest in self._index:
+            self._index.move_to_end(digest)
+            return None
+        slot = self._take()
+        if slot is not None:
+            self._index[digest] = slot
+        return slot
+
+    def hold(self, request_id: str, digest: bytes) -> int | None:
+        """The request's held slot, now standing for the chain `digest` (its contents are
+        about to be overwritten); None when no slot can be had."""
+        held = self._held.get(request_id)
+        if held is None:
+            slot = self._take()
+            if slot is None:
+                return None
+            held = self._held[request_id] = _Held(slot)
+        held.digest = digest
+        return held.slot
+
+    def release(self, request_id: str) -> None:
+        """The request is done (finished, aborted or preempted): its held slot is filed
+        under the last boundary it reached, or freed where that chain has a checkpoint."""
+        self._branches.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        if held.digest is None or held.digest in self._index:
+            self._free.append(held.slot)
+        else:
+            self._index[held.digest] = held.slot
+
+    def clear(self) -> int:
+        """Forget every checkpoint (the prefix cache was reset); returns how many. Held slots
+        stay with their sequences but are freed, not filed, when those end."""
+        dropped = len(self._index)
+        self._free.extend(self._index.values())
+        self._index.clear()
+        for held in self._held.values():
+            held.digest = None
+        return dropped
+
+    def _take(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._index:
+            _, slot = self._index.popitem(last=False)
+            return slot
+        return None

@@ -1,0 +1,165 @@
+"""Prefix caching for the hybrid family: K/V blocks as for any model, the linear layers' states
+from checkpoints kept at block boundaries (core/state_checkpoints.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_hybrid import GREEDY, _assert_matches_hf, _assert_nothing_held, _llm, _prompts
+from tiny_models import make_tiny_hybrid
+
+from forklift import LLM
+from forklift.core.state_checkpoints import CheckpointPlan, StateCheckpoints
+from forklift.engine.snapshot import take_snapshot
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_hybrid("interval", tmp_path_factory.mktemp("hybrid-prefix"))
+
+
+def _alone(llm: LLM, prompt: list[int]):
+    (output,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    return output
+
+
+def _logprobs(output) -> list[float]:
+    completion = output.outputs[0]
+    return [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+
+
+def _checkpoints(llm: LLM) -> StateCheckpoints:
+    checkpoints = llm.llm_engine.kv_manager.state_checkpoints
+    assert checkpoints is not None
+    return checkpoints
+
+
+def _with_checkpoints(llm: LLM, interval: int, capacity: int | None = None) -> LLM:
+    """The engine's checkpoints replaced, before any request, by ones `interval` tokens apart
+    (and only `capacity` slots)."""
+    kv = llm.llm_engine.kv_manager
+    slots = _checkpoints(llm).slots
+    kv.state_checkpoints = StateCheckpoints(slots[:capacity], kv.block_size, interval)
+    return llm
+
+
+def test_a_repeated_prompt_resumes_from_its_checkpoint_with_the_same_output(model):
+    prompt = _prompts(10, [41])[0]
+    llm = _llm(model.path)
+    first, again = _alone(llm, prompt), _alone(llm, prompt)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == 40  # the full blocks before the last prompt token
+    # The miss stopped its prompt at the same boundary the hit resumes from: same bits.
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert _logprobs(again) == _logprobs(first)
+    _assert_matches_hf(model.hf_model, [prompt], [again])
+    stats = llm.llm_engine.prefix_cache_stats()
+    assert stats.enabled and stats.hit_tokens == 40
+    kv = take_snapshot(llm.llm_engine).kv  # what /status shows
+    assert kv["state_checkpoints"] == _checkpoints(llm).num_checkpoints == 2  # prompt, end
+    assert kv["state_checkpoint_slots"] == _checkpoints(llm).capacity
+    _assert_nothing_held(llm)
+
+
+def test_a_shared_system_prompt_leaves_a_checkpoint_where_the_requests_branch(model):
+    system, a, b, c = _prompts(11, [36, 24, 14, 19])
+    llm = _llm(model.path)
+    first = _alone(llm, system + a)
+    # Its K/V cover the shared 36 tokens, but no checkpoint stands there yet: it computes
+    # them and leaves one where the cached blocks ended.
+    second = _alone(llm, system + b)
+    third = _alone(llm, system + c)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0)
+    assert third.num_cached_tokens == 36
+    prompts = [system + a, system + b, system + c]
+    _assert_matches_hf(model.hf_model, prompts, [first, second, third])
+    _assert_nothing_held(llm)
+
+
+def test_the_next_chat_turn_resumes_where_the_last_one_ended(model):
+    prompt, extra, other = _prompts(12, [21, 7, 29])
+    llm = _llm(model.path)
+    turn = _alone(llm, prompt)
+    _alone(llm, other)  # another conversation in between takes over the state slot
+    follow_up = prompt + list(turn.outputs[0].token_ids) + extra
+    next_turn = _alone(llm, follow_up)
+    # 21 prompt + 16 output tokens, 36 of them computed: the last boundary it reached.
+    assert next_turn.num_cached_tokens == 36
+    _assert_matches_hf(model.hf_model, [follow_up], [next_turn])
+    _assert_nothing_held(llm)
+
+
+def test_a_long_prompt_keeps_checkpoints_every_interval_with_the_misses_bits(model):
+    long, tail = _prompts(13, [70, 20])
+    shared = long[:50] + tail
+    llm = _with_checkpoints(_llm(model.path), interval=16)
+    _alone(llm, long)
+    hit = _alone(llm, shared)
+    assert hit.num_cached_tokens == 48  # the last checkpoint (every 16) the 50 shared reach
+    # A miss stops its prompt chunks at the same boundaries (16, 32, 48, ...): same bits.
+    miss = _alone(_with_checkpoints(_llm(model.path), interval=16), shared)
+    assert miss.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    assert _logprobs(hit) == _logprobs(miss)
+    _assert_matches_hf(model.hf_model, [shared], [hit])
+
+
+def test_checkpoints_are_evicted_least_recently_used_and_reset_with_the_cache(model):
+    prompts = _prompts(14, [30, 26, 34])
+    llm = _with_checkpoints(_llm(model.path), interval=1024, capacity=2)
+    outputs = [_alone(llm, p) for p in prompts]
+    checkpoints = _checkpoints(llm)
+    assert checkpoints.num_checkpoints == 2  # the last prompt's: its prompt's and its end's
+    again_last, again_first = _alone(llm, prompts[2]), _alone(llm, prompts[0])
+    assert again_last.num_cached_tokens == 32
+    assert again_first.num_cached_tokens == 0  # evicted: computed again, with the same tokens
+    assert again_first.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert llm.llm_engine.reset_prefix_cache() > 0
+    assert checkpoints.num_checkpoints == 0
+    assert _alone(llm, prompts[2]).num_cached_tokens == 0
+    _assert_nothing_held(llm)
+
+
+def test_the_memory_plan_counts_checkpoint_slots_in_the_state_tensors(model):
+    llm = _llm(model.path)
+    engine = llm.llm_engine
+    plan = engine.kv_plan
+    assert plan.num_checkpoint_slots == _checkpoints(llm).capacity > 0
+    assert plan.checkpoint_bytes == plan.num_checkpoint_slots * plan.state_bytes_per_slot
+    states = engine.runner.cache.recurrent_states
+    assert states.shape[1] == 1 + plan.num_state_slots + plan.num_checkpoint_slots
+    off = _llm(model.path, enable_prefix_caching=False).llm_engine
+    assert off.kv_plan.num_checkpoint_slots == 0
+    assert off.kv_manager.state_checkpoints is None
+    assert off.runner.cache.recurrent_states.shape[1] == 1 + off.kv_plan.num_state_slots
+
+
+def test_a_plan_stops_prompt_chunks_at_its_boundaries():
+    plan = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70)
+    assert plan.prompt_end == 68
+    assert [plan.next_boundary(s) for s in (0, 16, 20, 48, 64, 68)] == [16, 32, 32, 64, 68, None]
+    branched = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70, branch=36)
+    assert branched.next_boundary(32) == 36
+    assert [branched.is_boundary(p) for p in (32, 36, 40, 68, 72)] == [
+        True, True, False, True, False,
+    ]  # fmt: skip
+
+
+def test_checkpoint_slots_are_indexed_held_or_free():
+    checkpoints = StateCheckpoints([5, 6], block_size=4, interval=16)
+    first = checkpoints.reserve(b"a")
+    assert first is not None and checkpoints.reserve(b"a") is None  # one per chain
+    checkpoints.reserve(b"b")
+    assert checkpoints.lookup(b"a") == first  # now the most recently used
+    third = checkpoints.reserve(b"c")  # evicts b
+    assert checkpoints.lookup(b"b") is None and third is not None
+    held = checkpoints.hold("r", b"d")  # evicts a
+    assert checkpoints.lookup(b"a") is None and checkpoints.num_checkpoints == 1
+    assert checkpoints.hold("r", b"e") == held  # a later boundary: the same slot
+    checkpoints.release("r")
+    assert checkpoints.lookup(b"e") == held and checkpoints.lookup(b"d") is None
+    assert checkpoints.clear() == 2 and checkpoints.num_checkpoints == 0
+    checkpoints.hold("s", b"f")
+    checkpoints.clear()  # a reset while it runs: its slot is freed, not filed
+    checkpoints.release("s")
+    assert checkpoints.num_checkpoints == 0
+    assert sorted([checkpoints.reserve(b"g"), checkpoints.reserve(b"h")]) == [5, 6]
