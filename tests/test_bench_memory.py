@@ -206,5 +206,5 @@ def test_kv_calc_reproduces_the_seed_example_from_a_hybrid_model(tmp_path, capsy
     assert "with each request's linear-layer state: 12 requests at once" in out
     # Prefix caching's checkpoints: an eighth of 8 GiB in states of 147 MiB; each as large as
     # the K/V of 153,944,064 / 65,536 bytes per token.
-    assert "up to 6 linear-layer state checkpoints" in out
+    assert "up to 6 linear-layer state checkpoints, leaving room for 11 requests" in out
     assert "as many bytes as 2,349 tokens of K/V" in out

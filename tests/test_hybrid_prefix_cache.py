@@ -7,7 +7,7 @@ import pytest
 from test_hybrid import GREEDY, _assert_matches_hf, _assert_nothing_held, _llm, _prompts
 from tiny_models import make_tiny_hybrid
 
-from forklift import LLM
+from forklift import LLM, SamplingParams
 from forklift.core.state_checkpoints import CheckpointPlan, StateCheckpoints
 from forklift.engine.snapshot import take_snapshot
 
@@ -145,21 +145,81 @@ def test_a_plan_stops_prompt_chunks_at_its_boundaries():
 
 
 def test_checkpoint_slots_are_indexed_held_or_free():
-    checkpoints = StateCheckpoints([5, 6], block_size=4, interval=16)
+    checkpoints = StateCheckpoints([5, 6, 7, 8], block_size=4, interval=16)
     first = checkpoints.reserve(b"a")
     assert first is not None and checkpoints.reserve(b"a") is None  # one per chain
-    checkpoints.reserve(b"b")
-    assert checkpoints.lookup(b"a") == first  # now the most recently used
-    third = checkpoints.reserve(b"c")  # evicts b
-    assert checkpoints.lookup(b"b") is None and third is not None
-    held = checkpoints.hold("r", b"d")  # evicts a
-    assert checkpoints.lookup(b"a") is None and checkpoints.num_checkpoints == 1
-    assert checkpoints.hold("r", b"e") == held  # a later boundary: the same slot
-    checkpoints.release("r")
-    assert checkpoints.lookup(b"e") == held and checkpoints.lookup(b"d") is None
-    assert checkpoints.clear() == 2 and checkpoints.num_checkpoints == 0
-    checkpoints.hold("s", b"f")
+    for digest in (b"b", b"c", b"d"):
+        checkpoints.reserve(digest)
+    assert checkpoints.lookup(b"a") == first  # a hit: it now outlives those never hit
+    assert checkpoints.reserve(b"e") is not None  # evicts b, the oldest never hit
+    assert checkpoints.lookup(b"b") is None and checkpoints.lookup(b"a") == first
+    held = checkpoints.hold("r", b"f")  # evicts c
+    assert held is not None and checkpoints.lookup(b"c") is None
+    assert checkpoints.hold("r", b"g") == held  # a later boundary: the same slot
+    assert checkpoints.hold("s", b"h") is not None
+    assert checkpoints.hold("t", b"i") is None  # at most half the slots are held
+    checkpoints.release("r")  # filed under its last boundary
+    assert checkpoints.lookup(b"g") == held and checkpoints.lookup(b"f") is None
+    assert checkpoints.hold("s", b"a") is None  # that chain has one: nothing to copy
+    checkpoints.release("s")  # its earlier boundary is not filed
+    assert checkpoints.lookup(b"h") is None
+    assert checkpoints.clear() == 3 and checkpoints.num_checkpoints == 0
+    checkpoints.hold("u", b"j")
     checkpoints.clear()  # a reset while it runs: its slot is freed, not filed
-    checkpoints.release("s")
+    checkpoints.release("u")
     assert checkpoints.num_checkpoints == 0
-    assert sorted([checkpoints.reserve(b"g"), checkpoints.reserve(b"h")]) == [5, 6]
+    assert sorted(checkpoints.reserve(bytes([i])) for i in range(4)) == [5, 6, 7, 8]
+
+
+def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
+    prompt = _prompts(15, [23])[0]
+    llm = _llm(model.path)
+    params = SamplingParams(n=4, temperature=0, max_tokens=16, ignore_eos=True)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    steps = len(llm.llm_engine.step_log)
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    # The leader resumes at its fork (20 tokens) and its samples fork there at once,
+    # instead of waiting for its last token and computing their prompts alone.
+    assert again.num_cached_tokens == 20
+    assert len(llm.llm_engine.step_log) - steps <= steps
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+    _assert_nothing_held(llm)
+
+
+def test_a_shared_checkpoint_outlives_more_sequences_than_slots(model):
+    system = _prompts(16, [36])[0]
+    questions = _prompts(17, [5, 7, 3, 9, 4, 6, 8, 5, 6, 7])
+    llm = _with_checkpoints(_llm(model.path, max_num_batched_tokens=512), 1024, capacity=4)
+    for question in questions[:2]:  # the second leaves the checkpoint where they branch
+        _alone(llm, system + question)
+    for wave in (questions[2:6], questions[6:]):  # more at once than there are slots
+        outputs = llm.generate([system + q for q in wave], GREEDY, use_tqdm=False)
+        assert [o.num_cached_tokens for o in outputs] == [36] * len(wave)
+    _assert_matches_hf(model.hf_model, [system + q for q in questions[6:]], outputs)
+    _assert_nothing_held(llm)
+
+
+def test_preempted_sequences_resume_from_checkpoints(model):
+    system = _prompts(18, [24])[0]
+    prompts = [system + q for q in _prompts(19, [6, 8, 4, 7, 5, 9])]
+    # 39 blocks of 4 tokens: six sequences growing to about 48 tokens need 72.
+    llm = _llm(model.path, num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=128)
+    _alone(llm, prompts[0])
+    _alone(llm, prompts[1])  # leaves a checkpoint where the system prompt ends
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    # The first two resume from their own prompts' ends, the rest where the system ends.
+    assert [o.num_cached_tokens for o in outputs] == [28, 28, 24, 24, 24, 24]
+    _assert_matches_hf(model.hf_model, prompts, outputs)
+    _assert_nothing_held(llm)
+
+
+def test_a_budget_without_room_for_a_checkpoint_turns_prefix_caching_off(model, caplog):
+    # One sequence of 256 tokens needs 64 blocks: no checkpoint may take any of them.
+    with caplog.at_level("INFO", logger="forklift"):
+        llm = _llm(model.path, kv_cache_memory_bytes=84_000, max_model_len=256, max_num_seqs=1)
+    assert llm.llm_engine.kv_plan.num_checkpoint_slots == 0
+    assert "holds no linear-layer state checkpoint" in caplog.text
+    assert llm.llm_engine.prefix_cache_stats().enabled is False
+    prompt = _prompts(20, [30])[0]
+    _assert_matches_hf(model.hf_model, [prompt], [_alone(llm, prompt)])

@@ -281,17 +281,21 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
                 f"  with each request's linear-layer state: {budget // per_request:,} "
                 f"requests at once"
             )
-            for line in checkpoint_lines(state.bytes_per_sequence(dtype_bytes(args.dtype)),
-                                         per_token, budget):  # fmt: skip
+            state_bytes = state.bytes_per_sequence(dtype_bytes(args.dtype))
+            for line in checkpoint_lines(state_bytes, per_token, budget, per_request):
                 print(line)
     return 0
 
 
-def checkpoint_lines(state_bytes: int, bytes_per_token: int, budget: int) -> list[str]:
-    """What prefix caching's state checkpoints (one state each) cost a hybrid model."""
+def checkpoint_lines(
+    state_bytes: int, bytes_per_token: int, budget: int, per_request: int
+) -> list[str]:
+    """What prefix caching's state checkpoints (one state each) cost a hybrid model: at most
+    1/CHECKPOINT_BUDGET_SHARE of the budget, four per request that fits."""
+    count = min(budget // CHECKPOINT_BUDGET_SHARE // state_bytes, 4 * (budget // per_request))
     lines = [
-        f"  prefix caching: up to {budget // CHECKPOINT_BUDGET_SHARE // state_bytes:,} "
-        f"linear-layer state checkpoints (1/{CHECKPOINT_BUDGET_SHARE} of the budget)"
+        f"  prefix caching: up to {count:,} linear-layer state checkpoints, leaving room "
+        f"for {(budget - count * state_bytes) // per_request:,} requests at once"
     ]
     if bytes_per_token:
         lines.append(

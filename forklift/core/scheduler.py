@@ -304,6 +304,10 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
         request.num_computed_tokens = start
+        if start and request.followers and self._reached_fork(request):
+            # A hybrid leader resumed at its fork (a checkpoint): its samples fork now, from
+            # the restored state (copies run in order), not after its last token.
+            self._release_followers(request)
         return self._chunk_of(request, num_new)
 
     def _resume_point(

@@ -23,8 +23,8 @@ Boundaries, chosen so the common cases hit (`CheckpointPlan`):
   digest when the sequence finishes.
 
 A prompt chunk stops at each of its boundaries, so a request that misses computes the same
-chunks as one that hits and resumes there. Checkpoints are evicted least recently used;
-resetting the prefix cache drops them all.
+chunks as one that hits and resumes there. Checkpoints are evicted least recently used, those
+never hit first; resetting the prefix cache drops them all.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class _Held:
 
 
 class StateCheckpoints:
-    """The checkpoint slots: an LRU index from chain digest to slot, plus one held slot per
-    sequence decoding past its prompt. Every slot is free, indexed, or held."""
+    """The checkpoint slots: an index from chain digest to slot, evicted least recently used
+    (checkpoints never hit before those hit), plus one held slot per sequence decoding past
+    its prompt, at most half the slots. Every slot is free, indexed, or held."""
 
     def __init__(self, slots: Sequence[int], block_size: int, interval: int) -> None:
         if not slots:
@@ -91,13 +92,17 @@ class StateCheckpoints:
         self.slots = tuple(slots)
         self.capacity = len(slots)
         self._free = list(reversed(slots))
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        # Least recently used first: checkpoints never hit, and those hit at least once. A
+        # slot is taken from the first while it has any, so every request's own prompt end
+        # never pushes out a system prompt's checkpoint that others resume from.
+        self._fresh: OrderedDict[bytes, int] = OrderedDict()
+        self._reused: OrderedDict[bytes, int] = OrderedDict()
         self._held: dict[str, _Held] = {}
         self._branches: dict[str, int] = {}
 
     @property
     def num_checkpoints(self) -> int:
-        return len(self._index)
+        return len(self._fresh) + len(self._reused)
 
     def plan(self, request_id: str, num_prompt_tokens: int) -> CheckpointPlan:
         return CheckpointPlan(
@@ -105,10 +110,15 @@ class StateCheckpoints:
         )
 
     def lookup(self, digest: bytes) -> int | None:
-        """The slot holding the state after the chain `digest` ends, marked recently used."""
-        slot = self._index.get(digest)
+        """The slot holding the state after the chain `digest` ends, marked recently used
+        (and reused: it now outlives checkpoints never hit)."""
+        slot = self._fresh.pop(digest, None)
         if slot is not None:
-            self._index.move_to_end(digest)
+            self._reused[digest] = slot
+            return slot
+        slot = self._reused.get(digest)
+        if slot is not None:
+            self._reused.move_to_end(digest)
         return slot
 
     def mark_branch(self, request_id: str, cached_end: int, resumed_at: int) -> None:
@@ -122,19 +132,26 @@ class StateCheckpoints:
     def reserve(self, digest: bytes) -> int | None:
         """A slot to copy a new checkpoint into, filed under `digest`; None when that chain
         has one already or every slot is held."""
-        if digest in self._index:
-            self._index.move_to_end(digest)
+        if self._touch(digest):
             return None
         slot = self._take()
         if slot is not None:
-            self._index[digest] = slot
+            self._fresh[digest] = slot
         return slot
 
     def hold(self, request_id: str, digest: bytes) -> int | None:
         """The request's held slot, now standing for the chain `digest` (its contents are
-        about to be overwritten); None when no slot can be had."""
+        about to be overwritten); None where that chain has a checkpoint already or no slot
+        can be had. At most half the slots are held, so sequences decoding at once never
+        evict every checkpoint they might share."""
         held = self._held.get(request_id)
+        if self._touch(digest):
+            if held is not None:
+                held.digest = None  # an earlier boundary: not worth filing at the end
+            return None
         if held is None:
+            if len(self._held) >= max(self.capacity // 2, 1):
+                return None
             slot = self._take()
             if slot is None:
                 return None
@@ -149,25 +166,35 @@ class StateCheckpoints:
         held = self._held.pop(request_id, None)
         if held is None:
             return
-        if held.digest is None or held.digest in self._index:
+        if held.digest is None or self._touch(held.digest):
             self._free.append(held.slot)
         else:
-            self._index[held.digest] = held.slot
+            self._fresh[held.digest] = held.slot
 
     def clear(self) -> int:
         """Forget every checkpoint (the prefix cache was reset); returns how many. Held slots
         stay with their sequences but are freed, not filed, when those end."""
-        dropped = len(self._index)
-        self._free.extend(self._index.values())
-        self._index.clear()
+        dropped = self.num_checkpoints
+        for index in (self._fresh, self._reused):
+            self._free.extend(index.values())
+            index.clear()
         for held in self._held.values():
             held.digest = None
         return dropped
 
+    def _touch(self, digest: bytes) -> bool:
+        """Whether the chain `digest` has a checkpoint (now marked recently used)."""
+        for index in (self._fresh, self._reused):
+            if digest in index:
+                index.move_to_end(digest)
+                return True
+        return False
+
     def _take(self) -> int | None:
+        """A free slot, or the least recently used checkpoint's (one never hit first)."""
         if self._free:
             return self._free.pop()
-        if self._index:
-            _, slot = self._index.popitem(last=False)
-            return slot
+        for index in (self._fresh, self._reused):
+            if index:
+                return index.popitem(last=False)[1]
         return None

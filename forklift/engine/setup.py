@@ -154,7 +154,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         mtp_layer = load_mtp(
             source, model_config, device=device, dtype=dtype, max_model_len=max_model_len
         )
-    kv_plan = plan_kv_cache(config, model_config, device, runner, draft_runner, mtp_layer)
+    kv_plan = plan_kv_cache(
+        config, model_config, device, runner, draft_runner, mtp_layer, max_model_len
+    )
     check_kv_fits(model_config, kv_plan, max_model_len)
     kv_manager = KVCacheManager(
         kv_plan.num_blocks,
@@ -239,8 +241,10 @@ def plan_kv_cache(
     runner: ModelRunner,
     draft_runner: ModelRunner | None,
     mtp_layer: MultiTokenPredictor | None,
+    max_model_len: int,
 ) -> KVCachePlan:
-    """The KV cache's blocks for the budget, the drafter's weights and K/V taken out first."""
+    """The KV cache's blocks for the budget, the drafter's weights and K/V taken out first
+    (and a hybrid's state checkpoints, never below one sequence of `max_model_len`)."""
     extra_weight_bytes, extra_block_bytes = 0, 0
     if draft_runner is not None:
         extra_weight_bytes = draft_runner.weight_bytes
@@ -257,6 +261,7 @@ def plan_kv_cache(
         extra_weight_bytes=extra_weight_bytes,
         extra_block_bytes=extra_block_bytes,
         state_checkpoints=config.enable_prefix_caching and model_config.is_hybrid,
+        max_model_len=max_model_len,
     )
 
 

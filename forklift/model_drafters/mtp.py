@@ -101,8 +101,8 @@ class MtpProgress:
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """The target's hidden states of positions [start, start + len(rows))."""
-        if start < self.num_computed:  # recomputed after a preemption: new blocks
-            self.num_computed = 0
+        if start < self.num_computed:  # recomputed after a preemption (or resumed there)
+            self.num_computed = start
         if self.hidden is None or not self.hidden_start <= start <= self.hidden_end:
             self.hidden_start, self.hidden = start, rows
         else:  # rows past `start` held rejected drafts
@@ -211,8 +211,10 @@ class MtpProposer:
         if progress is None:
             return None
         if progress.num_preemptions != query.num_preemptions:
+            # Recomputed from the start, or resumed from the prefix cache: the layer carries
+            # on from the first hidden state kept since.
             progress.num_preemptions = query.num_preemptions
-            progress.num_computed = 0
+            progress.num_computed = min(progress.num_computed, progress.hidden_start)
         # The layer reads the token after each position: up to the newest token's.
         end = min(query.num_computed_tokens, len(query.token_ids) - 1)
         progress.num_computed = min(progress.num_computed, end)

@@ -168,12 +168,14 @@ def plan_kv_cache(
     max_chunk: int = 0,
     extra_bytes_per_block: int = 0,
     state_checkpoints: bool = False,
+    max_model_len: int = 0,
 ) -> KVCachePlan:
     """Blocks for the budget; a hybrid model first takes one state slot per sequence that may
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once), and with
     `state_checkpoints` (prefix caching) up to an eighth of the budget for checkpoint slots,
-    at most four per sequence slot. `num_blocks_override` fixes the block count instead (and
+    at most four per sequence slot, never taking blocks one sequence of `max_model_len`
+    tokens needs. `num_blocks_override` fixes the block count instead (and
     gives a hybrid model a slot and a checkpoint per sequence).
     `extra_bytes_per_block`: a speculation drafter's K/V (a draft model's, an MTP
     layer's), held in the same blocks. `kv_format`: how the blocks hold K/V (default: in
@@ -208,6 +210,11 @@ def plan_kv_cache(
         slots = max(min(max_num_seqs, (budget // 2) // per_slot - 1), 0)
     if slots and state_checkpoints:
         checkpoints = min(max(budget // CHECKPOINT_BUDGET_SHARE, 0) // per_slot, 4 * slots)
+        if model_config.attention_layers:
+            needed = 1 + blocks_per_sequence(max_model_len, groups["windows"], block_size,
+                                             max(max_chunk, 1))  # fmt: skip
+            spare = budget - (slots + 1) * per_slot - needed * bytes_per_block
+            checkpoints = max(min(checkpoints, spare // per_slot), 0)
     blocks_budget = budget - ((slots + checkpoints + 1) * per_slot if slots else 0)
     if not model_config.attention_layers:
         num_blocks = 2  # the null block and one more: the block tables still need a target

@@ -161,6 +161,7 @@ class ModelRunner:
         extra_weight_bytes: int = 0,
         extra_block_bytes: int = 0,
         state_checkpoints: bool = False,
+        max_model_len: int = 0,
     ) -> KVCachePlan:
         """Blocks for the budget; a speculation drafter's weights and its K/V in every block
         (`extra_*`) come out of the same budget, as do a hybrid model's state checkpoints."""
@@ -193,6 +194,7 @@ class ModelRunner:
             max_chunk=max_num_batched_tokens,
             extra_bytes_per_block=extra_block_bytes,
             state_checkpoints=state_checkpoints,
+            max_model_len=max_model_len,
         )
 
     @property
