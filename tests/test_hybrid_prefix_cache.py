@@ -33,18 +33,22 @@ def _checkpoints(llm: LLM) -> StateCheckpoints:
     return checkpoints
 
 
-def _with_checkpoints(llm: LLM, interval: int, capacity: int | None = None) -> LLM:
+def _with_checkpoints(llm: LLM, interval: int = 1024, capacity: int | None = None) -> LLM:
     """The engine's checkpoints replaced, before any request, by ones `interval` tokens apart
-    (and only `capacity` slots)."""
+    (and only `capacity` slots) that these short prompts stop for (no minimum length)."""
     kv = llm.llm_engine.kv_manager
     slots = _checkpoints(llm).slots
-    kv.state_checkpoints = StateCheckpoints(slots[:capacity], kv.block_size, interval)
+    kv.state_checkpoints = StateCheckpoints(slots[:capacity], kv.block_size, interval, 0)
     return llm
+
+
+def _cached_llm(path, **overrides) -> LLM:
+    return _with_checkpoints(_llm(path, **overrides))
 
 
 def test_a_repeated_prompt_resumes_from_its_checkpoint_with_the_same_output(model):
     prompt = _prompts(10, [41])[0]
-    llm = _llm(model.path)
+    llm = _cached_llm(model.path)
     first, again = _alone(llm, prompt), _alone(llm, prompt)
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == 40  # the full blocks before the last prompt token
@@ -62,7 +66,7 @@ def test_a_repeated_prompt_resumes_from_its_checkpoint_with_the_same_output(mode
 
 def test_a_shared_system_prompt_leaves_a_checkpoint_where_the_requests_branch(model):
     system, a, b, c = _prompts(11, [36, 24, 14, 19])
-    llm = _llm(model.path)
+    llm = _cached_llm(model.path)
     first = _alone(llm, system + a)
     # Its K/V cover the shared 36 tokens, but no checkpoint stands there yet: it computes
     # them and leaves one where the cached blocks ended.
@@ -105,7 +109,7 @@ def test_a_long_prompt_keeps_checkpoints_every_interval_with_the_misses_bits(mod
 
 def test_checkpoints_are_evicted_least_recently_used_and_reset_with_the_cache(model):
     prompts = _prompts(14, [30, 26, 34])
-    llm = _with_checkpoints(_llm(model.path), interval=1024, capacity=2)
+    llm = _with_checkpoints(_llm(model.path), capacity=2)
     outputs = [_alone(llm, p) for p in prompts]
     checkpoints = _checkpoints(llm)
     assert checkpoints.num_checkpoints == 2  # the last prompt's: its prompt's and its end's
@@ -133,15 +137,38 @@ def test_the_memory_plan_counts_checkpoint_slots_in_the_state_tensors(model):
     assert off.runner.cache.recurrent_states.shape[1] == 1 + off.kv_plan.num_state_slots
 
 
+def test_a_short_prompt_does_not_stop_for_a_checkpoint(model):
+    prompt = _prompts(21, [41])[0]
+    default = _llm(model.path, max_num_batched_tokens=64)
+    eager = _cached_llm(model.path, max_num_batched_tokens=64)
+    for llm in (default, eager):
+        _alone(llm, prompt)
+    first_steps = [s.num_batched_tokens for s in list(default.llm_engine.step_log)[:2]]
+    assert first_steps == [41, 1]  # under MIN_CHECKPOINT_TOKENS: one step, no checkpoint
+    assert [s.num_batched_tokens for s in list(eager.llm_engine.step_log)[:2]] == [40, 1]
+    assert _alone(default, prompt).num_cached_tokens == 0
+    assert _alone(eager, prompt).num_cached_tokens == 40
+
+
 def test_a_plan_stops_prompt_chunks_at_its_boundaries():
-    plan = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70)
+    plan = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70, min_tokens=0)
     assert plan.prompt_end == 68
     assert [plan.next_boundary(s) for s in (0, 16, 20, 48, 64, 68)] == [16, 32, 32, 64, 68, None]
-    branched = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70, branch=36)
+    branched = CheckpointPlan(
+        block_size=4, interval=16, num_prompt_tokens=70, branch=36, min_tokens=0
+    )
     assert branched.next_boundary(32) == 36
     assert [branched.is_boundary(p) for p in (32, 36, 40, 68, 72)] == [
         True, True, False, True, False,
     ]  # fmt: skip
+    late = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70, min_tokens=40)
+    assert [late.next_boundary(s) for s in (0, 48, 64)] == [48, 64, 68]
+    assert not late.is_boundary(32) and late.is_boundary(48)
+    # Resumed at 60: stopping at 68 saves 8 tokens, enough only where the minimum is 8.
+    for minimum, expected in ((8, 68), (12, None)):
+        resumed = CheckpointPlan(4, 16, 70, min_tokens=minimum, resumed_at=60)
+        assert resumed.next_boundary(60) == expected
+        assert resumed.is_boundary(68) is (expected is not None)
 
 
 def test_checkpoint_slots_are_indexed_held_or_free():
@@ -173,7 +200,7 @@ def test_checkpoint_slots_are_indexed_held_or_free():
 
 def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
     prompt = _prompts(15, [23])[0]
-    llm = _llm(model.path)
+    llm = _cached_llm(model.path)
     params = SamplingParams(n=4, temperature=0, max_tokens=16, ignore_eos=True)
     (first,) = llm.generate([prompt], params, use_tqdm=False)
     steps = len(llm.llm_engine.step_log)
@@ -189,7 +216,7 @@ def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
 def test_a_shared_checkpoint_outlives_more_sequences_than_slots(model):
     system = _prompts(16, [36])[0]
     questions = _prompts(17, [5, 7, 3, 9, 4, 6, 8, 5, 6, 7])
-    llm = _with_checkpoints(_llm(model.path, max_num_batched_tokens=512), 1024, capacity=4)
+    llm = _with_checkpoints(_llm(model.path, max_num_batched_tokens=512), capacity=4)
     for question in questions[:2]:  # the second leaves the checkpoint where they branch
         _alone(llm, system + question)
     for wave in (questions[2:6], questions[6:]):  # more at once than there are slots
@@ -203,7 +230,7 @@ def test_preempted_sequences_resume_from_checkpoints(model):
     system = _prompts(18, [24])[0]
     prompts = [system + q for q in _prompts(19, [6, 8, 4, 7, 5, 9])]
     # 39 blocks of 4 tokens: six sequences growing to about 48 tokens need 72.
-    llm = _llm(model.path, num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=128)
+    llm = _cached_llm(model.path, num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=128)
     _alone(llm, prompts[0])
     _alone(llm, prompts[1])  # leaves a checkpoint where the system prompt ends
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

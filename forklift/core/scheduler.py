@@ -329,11 +329,11 @@ class Scheduler:
             if count < hits:
                 cached = kv.lookup_prefix(tokens, request.cache_key, max_blocks=count)
             if cached and len(cached[0]) == count:
-                checkpoints.mark_branch(request.request_id, hits * kv.block_size,
+                checkpoints.admitted(request.request_id, hits * kv.block_size,
                                         count * kv.block_size)  # fmt: skip
                 return cached, slot
             break
-        checkpoints.mark_branch(request.request_id, hits * kv.block_size, 0)
+        checkpoints.admitted(request.request_id, hits * kv.block_size, 0)
         return [], None
 
     def _checkpoint(self, request: Request) -> None:

@@ -10,7 +10,8 @@ digest of the block chain up to that boundary, which carries the cache salt, ada
 weight version along with the tokens. A hit resumes from the latest checkpoint at or before
 the longest cached prefix and recomputes the rest.
 
-Boundaries, chosen so the common cases hit (`CheckpointPlan`):
+Boundaries, chosen so the common cases hit (`CheckpointPlan`), from `min_tokens` on where a
+prompt must stop for them:
 - the end of the prompt's full blocks before its last token: the same prompt again, or a
   sample of `n > 1` (which forks there anyway);
 - every `interval` tokens inside a long prompt, so a long shared document costs at most
@@ -35,6 +36,9 @@ from dataclasses import dataclass
 
 # Tokens between checkpoints inside a long prompt (rounded down to whole blocks).
 DEFAULT_INTERVAL_TOKENS = 1024
+# No prompt stops for a checkpoint before this many tokens: computing a shorter prefix again
+# costs about what stopping costs every request that misses (one more step).
+MIN_CHECKPOINT_TOKENS = 256
 # Checkpoint slots take at most 1 / this of the KV cache's memory budget.
 CHECKPOINT_BUDGET_SHARE = 8
 
@@ -48,6 +52,9 @@ class CheckpointPlan:
     num_prompt_tokens: int
     # Where the request's cached K/V ended when it was admitted (0: nowhere to mark).
     branch: int = 0
+    min_tokens: int = MIN_CHECKPOINT_TOKENS
+    # Where it resumed from a checkpoint: it stops only where that saves `min_tokens` more.
+    resumed_at: int = 0
 
     @property
     def prompt_end(self) -> int:
@@ -56,19 +63,20 @@ class CheckpointPlan:
 
     def is_boundary(self, position: int) -> bool:
         """Whether the prompt keeps a checkpoint at `position` (a block boundary)."""
-        if position <= 0 or position > self.prompt_end:
+        if position < max(self.resumed_at + self.min_tokens, 1) or position > self.prompt_end:
             return False
         return position in (self.prompt_end, self.branch) or position % self.interval == 0
 
     def next_boundary(self, start: int) -> int | None:
         """The first checkpoint boundary after `start`, or None past the prompt's last one."""
         end = self.prompt_end
-        if start >= end:
+        first = max(start + 1, self.resumed_at + self.min_tokens)
+        if first > end:
             return None
-        candidates = [end, (start // self.interval + 1) * self.interval]
-        if start < self.branch <= end:
+        candidates = [end, -(-first // self.interval) * self.interval]
+        if first <= self.branch <= end:
             candidates.append(self.branch)
-        return min(candidates)
+        return min(c for c in candidates if c <= end)
 
 
 @dataclass
@@ -84,11 +92,18 @@ class StateCheckpoints:
     (checkpoints never hit before those hit), plus one held slot per sequence decoding past
     its prompt, at most half the slots. Every slot is free, indexed, or held."""
 
-    def __init__(self, slots: Sequence[int], block_size: int, interval: int) -> None:
+    def __init__(
+        self,
+        slots: Sequence[int],
+        block_size: int,
+        interval: int = DEFAULT_INTERVAL_TOKENS,
+        min_tokens: int = MIN_CHECKPOINT_TOKENS,
+    ) -> None:
         if not slots:
             raise ValueError("state checkpoints need at least one slot")
         self.block_size = block_size
         self.interval = max(interval // block_size, 1) * block_size
+        self.min_tokens = min_tokens
         self.slots = tuple(slots)
         self.capacity = len(slots)
         self._free = list(reversed(slots))
@@ -98,15 +113,17 @@ class StateCheckpoints:
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
         self._reused: OrderedDict[bytes, int] = OrderedDict()
         self._held: dict[str, _Held] = {}
-        self._branches: dict[str, int] = {}
+        # Per admitted request: (where it resumed, where its cached blocks ended).
+        self._admitted: dict[str, tuple[int, int]] = {}
 
     @property
     def num_checkpoints(self) -> int:
         return len(self._fresh) + len(self._reused)
 
     def plan(self, request_id: str, num_prompt_tokens: int) -> CheckpointPlan:
+        resumed_at, branch = self._admitted.get(request_id, (0, 0))
         return CheckpointPlan(
-            self.block_size, self.interval, num_prompt_tokens, self._branches.get(request_id, 0)
+            self.block_size, self.interval, num_prompt_tokens, branch, self.min_tokens, resumed_at
         )
 
     def lookup(self, digest: bytes) -> int | None:
@@ -121,13 +138,10 @@ class StateCheckpoints:
             self._reused.move_to_end(digest)
         return slot
 
-    def mark_branch(self, request_id: str, cached_end: int, resumed_at: int) -> None:
+    def admitted(self, request_id: str, cached_end: int, resumed_at: int) -> None:
         """A request admitted with K/V cached up to `cached_end` resumes at `resumed_at`: where
         they differ, its prompt leaves a checkpoint at the cached end (a branch point)."""
-        if cached_end > resumed_at:
-            self._branches[request_id] = cached_end
-        else:
-            self._branches.pop(request_id, None)
+        self._admitted[request_id] = (resumed_at, cached_end if cached_end > resumed_at else 0)
 
     def reserve(self, digest: bytes) -> int | None:
         """A slot to copy a new checkpoint into, filed under `digest`; None when that chain
@@ -162,7 +176,7 @@ class StateCheckpoints:
     def release(self, request_id: str) -> None:
         """The request is done (finished, aborted or preempted): its held slot is filed
         under the last boundary it reached, or freed where that chain has a checkpoint."""
-        self._branches.pop(request_id, None)
+        self._admitted.pop(request_id, None)
         held = self._held.pop(request_id, None)
         if held is None:
             return

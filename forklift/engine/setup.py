@@ -15,7 +15,7 @@ from forklift.config import EngineConfig
 from forklift.core.kv_cache_manager import KVCacheManager
 from forklift.core.lora_slots import LoRASlotTable
 from forklift.core.scheduler import Scheduler
-from forklift.core.state_checkpoints import DEFAULT_INTERVAL_TOKENS, StateCheckpoints
+from forklift.core.state_checkpoints import StateCheckpoints
 from forklift.core.state_pool import StatePool
 from forklift.engine.lora_registry import LoRARegistry
 from forklift.engine.speculation import Speculator
@@ -167,9 +167,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if kv_manager.enable_prefix_caching and model_config.is_hybrid:
         first = kv_plan.num_state_slots + 1  # after the zero slot and the sequences' slots
         kv_manager.state_checkpoints = StateCheckpoints(
-            range(first, first + kv_plan.num_checkpoint_slots),
-            config.block_size,
-            DEFAULT_INTERVAL_TOKENS,
+            range(first, first + kv_plan.num_checkpoint_slots), config.block_size
         )
     mtp = MtpProposer(mtp_layer, runner, kv_manager) if mtp_layer is not None else None
     weights = WeightsLifecycle(runner, draft_runner, mtp, kv_manager, kv_plan)
