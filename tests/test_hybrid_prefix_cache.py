@@ -250,3 +250,91 @@ def test_a_budget_without_room_for_a_checkpoint_turns_prefix_caching_off(model, 
     assert llm.llm_engine.prefix_cache_stats().enabled is False
     prompt = _prompts(20, [30])[0]
     _assert_matches_hf(model.hf_model, [prompt], [_alone(llm, prompt)])
+
+
+SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def sandwich(tmp_path_factory):
+    return make_tiny_hybrid("sandwich", tmp_path_factory.mktemp("hybrid-prefix-sandwich"))
+
+
+def _assert_close(output, reference) -> None:
+    """The same tokens, and logprobs within what computing other chunks rounds."""
+    assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["interval", "sandwich"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_each_chat_turn_computes_only_its_new_tokens(model, sandwich, layout, params):
+    path = (model if layout == "interval" else sandwich).path
+    settings = dict(max_model_len=512, kv_cache_memory_bytes=2**22)
+    cached, uncached = _llm(path, **settings), _llm(path, enable_prefix_caching=False, **settings)
+    history: list[int] = []
+    for turn, new in enumerate(_prompts(22, [8] * 8)):
+        history += new
+        (output,) = cached.generate([history], params, use_tqdm=False)
+        (reference,) = uncached.generate([history], params, use_tqdm=False)
+        _assert_close(output, reference)
+        if turn:  # at most the new tokens and the last answer's partial block
+            assert len(history) - output.num_cached_tokens <= len(new) + 4
+        history += output.outputs[0].token_ids
+    _assert_nothing_held(cached)
+
+
+def test_requests_behind_one_system_prompt_resume_where_it_ends(tmp_path):
+    model = make_tiny_hybrid("interval", tmp_path, max_position_embeddings=1024)
+    system = _prompts(23, [500])[0]
+    # The first prompt's own end lies past the system prompt's: no checkpoint there yet.
+    prompts = [system + q for q in _prompts(24, [11] + [3 + i % 9 for i in range(31)])]
+    settings = dict(max_model_len=640, kv_cache_memory_bytes=2**23, max_num_batched_tokens=128)
+    cached, uncached = (
+        _llm(model.path, **settings),
+        _llm(model.path, enable_prefix_caching=False, **settings),
+    )
+    outputs = [_alone(cached, p) for p in prompts[:2]]  # the second leaves the checkpoint
+    outputs += cached.generate(prompts[2:], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0] + [500] * 30
+    for output, reference in zip(
+        outputs, uncached.generate(prompts, GREEDY, use_tqdm=False), strict=True
+    ):
+        _assert_close(output, reference)
+    _assert_nothing_held(cached)
+
+
+def test_lookup_drafts_on_sequences_resumed_from_checkpoints(model):
+    prompts = [p * 2 for p in _prompts(25, [14, 20, 11])]
+    expected = _llm(model.path, enable_prefix_caching=False).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = _cached_llm(model.path, speculative_config=spec)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert llm.llm_engine.spec_stats.num_drafts > 0
+    for output, reference in zip(again, expected, strict=True):
+        _assert_close(output, reference)
+    _assert_nothing_held(llm)
+
+
+def test_checkpoints_never_outlive_the_weights_or_a_sleep(model, tmp_path):
+    other = make_tiny_hybrid("interval", tmp_path, seed=3)
+    prompt = _prompts(26, [41])[0]
+    llm = _cached_llm(model.path)
+    assert _alone(llm, prompt).num_cached_tokens == 0
+    assert _alone(llm, prompt).num_cached_tokens == 40
+    llm.update_weights(list(other.hf_model.state_dict().items()))
+    assert _checkpoints(llm).num_checkpoints == 0
+    updated = _alone(llm, prompt)
+    assert updated.num_cached_tokens == 0
+    _assert_matches_hf(other.hf_model, [prompt], [updated])
+    assert _alone(llm, prompt).num_cached_tokens == 40  # the new weights' own checkpoint
+    llm.sleep(level=1)
+    llm.wake_up()
+    woken = _alone(llm, prompt)
+    assert woken.num_cached_tokens == 0
+    _assert_matches_hf(other.hf_model, [prompt], [woken])
+    _assert_nothing_held(llm)

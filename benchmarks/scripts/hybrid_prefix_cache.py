@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--system", type=int, default=1000)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=8)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         path = build_models(Path(scratch), tiny=False)["hybrid"]

@@ -291,8 +291,8 @@ def checkpoint_lines(
     state_bytes: int, bytes_per_token: int, budget: int, per_request: int
 ) -> list[str]:
     """What prefix caching's state checkpoints (one state each) cost a hybrid model: at most
-    1/CHECKPOINT_BUDGET_SHARE of the budget, four per request that fits."""
-    count = min(budget // CHECKPOINT_BUDGET_SHARE // state_bytes, 4 * (budget // per_request))
+    1/CHECKPOINT_BUDGET_SHARE of the budget, 1.5 per request that fits."""
+    count = min(budget // CHECKPOINT_BUDGET_SHARE // state_bytes, 3 * (budget // per_request) // 2)
     lines = [
         f"  prefix caching: up to {count:,} linear-layer state checkpoints, leaving room "
         f"for {(budget - count * state_bytes) // per_request:,} requests at once"

@@ -174,7 +174,7 @@ def plan_kv_cache(
     run (`max_num_seqs`), at most half the budget, so KV blocks are left for its attention
     layers (fewer slots then cap how many sequences run at once), and with
     `state_checkpoints` (prefix caching) up to an eighth of the budget for checkpoint slots,
-    at most four per sequence slot, never taking blocks one sequence of `max_model_len`
+    at most 1.5 per sequence slot, never taking blocks one sequence of `max_model_len`
     tokens needs. `num_blocks_override` fixes the block count instead (and
     gives a hybrid model a slot and a checkpoint per sequence).
     `extra_bytes_per_block`: a speculation drafter's K/V (a draft model's, an MTP
@@ -209,7 +209,7 @@ def plan_kv_cache(
     if per_slot:
         slots = max(min(max_num_seqs, (budget // 2) // per_slot - 1), 0)
     if slots and state_checkpoints:
-        checkpoints = min(max(budget // CHECKPOINT_BUDGET_SHARE, 0) // per_slot, 4 * slots)
+        checkpoints = min(max(budget // CHECKPOINT_BUDGET_SHARE, 0) // per_slot, 3 * slots // 2)
         if model_config.attention_layers:
             needed = 1 + blocks_per_sequence(max_model_len, groups["windows"], block_size,
                                              max(max_chunk, 1))  # fmt: skip
