@@ -197,9 +197,10 @@ def test_a_qwen3_5_model_without_linear_layers_keeps_its_gated_attention(tmp_pat
     _assert_matches_hf(tiny.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
-def test_tensor_parallel_is_refused_with_a_clear_error(interval_model):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        _llm(interval_model.path, tensor_parallel_size=2)
+def test_more_ranks_than_linear_key_heads_is_a_clear_error(tmp_path):
+    make_tiny_hybrid("odd-heads", tmp_path)  # one linear-attention key head
+    with pytest.raises(ValueError, match="exceeds the model's 1 linear-attention key heads"):
+        _llm(tmp_path, tensor_parallel_size=2)
 
 
 def test_a_budget_without_room_for_a_state_is_refused(interval_model):

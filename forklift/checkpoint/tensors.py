@@ -59,6 +59,12 @@ class Part(Enum):
     KV_HEADS = "kv_heads"
     INTERMEDIATE = "intermediate"
     VOCAB = "vocab"  # padded to a multiple of the ranks with rows of zeros
+    # Gated DeltaNet, split by key heads and the value heads that read them: the fused q/k/v
+    # channels (the rank's queries, keys and values), value rows, one entry per value head.
+    LINEAR_QKV = "linear_qkv"
+    LINEAR_VALUE = "linear_value"
+    LINEAR_VALUE_HEADS = "linear_value_heads"
+    FIRST_RANK = "first_rank"  # a row-parallel bias: added once, by rank 0 (zeros elsewhere)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ _KV_ROWS = Split(0, Part.KV_HEADS)
 _I_ROWS = Split(0, Part.INTERMEDIATE)
 _Q_COLUMNS = Split(1, Part.Q_HEADS)
 _I_COLUMNS = Split(1, Part.INTERMEDIATE)
+_QKV_CHANNELS = Split(0, Part.LINEAR_QKV)
+_VALUE_ROWS, _VALUE_COLUMNS = Split(0, Part.LINEAR_VALUE), Split(1, Part.LINEAR_VALUE)
+_VALUE_HEADS = Split(0, Part.LINEAR_VALUE_HEADS)
 _QKV, _QKV_BIAS = "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias"
 _IN_PROJ = "linear_attn.in_proj.weight"
 
@@ -127,30 +136,31 @@ TENSORS: tuple[CheckpointTensor, ...] = (
                      fused_after=(_QP,), split=_KV_ROWS, needs=Needs.QKV_BIAS),
     CheckpointTensor("self_attn.v_proj.bias", _QKV_BIAS, (_KV,), _ATTN,
                      fused_after=(_QP, _KV), split=_KV_ROWS, needs=Needs.QKV_BIAS),
-    # Only hybrid models have it, and they run on one rank.
     CheckpointTensor("self_attn.o_proj.bias", "self_attn.o_proj.bias", (_H,), _ATTN,
-                     needs=Needs.O_PROJ_BIAS),
+                     split=Split(0, Part.FIRST_RANK), needs=Needs.O_PROJ_BIAS),
     CheckpointTensor("self_attn.q_norm.weight", "self_attn.q_norm.weight", (_D,), _ATTN,
                      needs=Needs.QK_NORM),
     CheckpointTensor("self_attn.k_norm.weight", "self_attn.k_norm.weight", (_D,), _ATTN,
                      needs=Needs.QK_NORM),
     # Gated DeltaNet: its four input projections fused in row order q/k/v, z, b, a.
     CheckpointTensor("linear_attn.in_proj_qkv.weight", _IN_PROJ, (_CONV, _H), _LINEAR,
-                     fused_after=()),
+                     fused_after=(), split=_QKV_CHANNELS),
     CheckpointTensor("linear_attn.in_proj_z.weight", _IN_PROJ, (_VAL, _H), _LINEAR,
-                     fused_after=(_CONV,)),
+                     fused_after=(_CONV,), split=_VALUE_ROWS),
     CheckpointTensor("linear_attn.in_proj_b.weight", _IN_PROJ, (_VHEADS, _H), _LINEAR,
-                     fused_after=(_CONV, _VAL)),
+                     fused_after=(_CONV, _VAL), split=_VALUE_HEADS),
     CheckpointTensor("linear_attn.in_proj_a.weight", _IN_PROJ, (_VHEADS, _H), _LINEAR,
-                     fused_after=(_CONV, _VAL, _VHEADS)),
+                     fused_after=(_CONV, _VAL, _VHEADS), split=_VALUE_HEADS),
     CheckpointTensor("linear_attn.conv1d.weight", "linear_attn.conv1d_weight",
-                     (_CONV, 1, Dim.CONV_KERNEL), _LINEAR),
-    CheckpointTensor("linear_attn.dt_bias", "linear_attn.dt_bias", (_VHEADS,), _LINEAR),
-    CheckpointTensor("linear_attn.A_log", "linear_attn.A_log", (_VHEADS,), _LINEAR),
+                     (_CONV, 1, Dim.CONV_KERNEL), _LINEAR, split=_QKV_CHANNELS),
+    CheckpointTensor("linear_attn.dt_bias", "linear_attn.dt_bias", (_VHEADS,), _LINEAR,
+                     split=_VALUE_HEADS),
+    CheckpointTensor("linear_attn.A_log", "linear_attn.A_log", (_VHEADS,), _LINEAR,
+                     split=_VALUE_HEADS),
     CheckpointTensor("linear_attn.norm.weight", "linear_attn.norm.weight", (Dim.VALUE_HEAD,),
                      _LINEAR),
     CheckpointTensor("linear_attn.out_proj.weight", "linear_attn.out_proj.weight", (_H, _VAL),
-                     _LINEAR),
+                     _LINEAR, split=_VALUE_COLUMNS),
     # Every layer: gate and up fused into one projection.
     CheckpointTensor("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", (_I, _H),
                      fused_after=(), split=_I_ROWS),

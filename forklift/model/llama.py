@@ -130,11 +130,11 @@ def attention_output_and_mlp(
     layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
 ) -> torch.Tensor:
     """Output projection, residual, norm and MLP: everything after attention."""
-    hidden = hidden + _reduce(layer.tp, layer.self_attn.o_proj(attn))
-    return hidden + _reduce(layer.tp, layer.mlp(layer.post_attention_layernorm(hidden)))
+    hidden = hidden + reduce_partial_sums(layer.tp, layer.self_attn.o_proj(attn))
+    return hidden + reduce_partial_sums(layer.tp, layer.mlp(layer.post_attention_layernorm(hidden)))
 
 
-def _reduce(tp: TensorParallelGroup | None, partial: torch.Tensor) -> torch.Tensor:
+def reduce_partial_sums(tp: TensorParallelGroup | None, partial: torch.Tensor) -> torch.Tensor:
     """Row-parallel layers give each rank a partial sum; add them up across ranks."""
     return partial if tp is None else tp.all_reduce(partial)
 

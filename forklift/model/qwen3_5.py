@@ -24,6 +24,7 @@ from forklift.model.llama import (
     LayerCache,
     LayerRegions,
     LlamaForCausalLM,
+    reduce_partial_sums,
     rms_norm,
 )
 from forklift.model.model_config import FULL_ATTENTION, ModelConfig
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class HybridDecoderLayer(nn.Module):
-    tp: TensorParallelGroup | None = None  # hybrid models run on one rank
+    tp: TensorParallelGroup | None = None  # set for tensor parallelism: partial sums reduced
     decode_attention: DecodeKernel = staticmethod(gathered_decode_attention)
 
     def __init__(self, config: ModelConfig, index: int) -> None:
@@ -66,8 +67,10 @@ class HybridDecoderLayer(nn.Module):
             assert meta.linear is not None
             conv_pool, state_pool = cache
             mixed = self.linear_attn(x, conv_pool, state_pool, meta.linear)
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + reduce_partial_sums(self.tp, mixed)
+        return hidden + reduce_partial_sums(
+            self.tp, self.mlp(self.post_attention_layernorm(hidden))
+        )
 
     def _attend(
         self,

@@ -8,6 +8,12 @@ gathered logits line up, and the padding is cut off after the gather. Norms are 
 
 Column-parallel layers (qkv, gate/up, embedding, LM head) slice output rows; row-parallel
 layers (o_proj, down_proj) slice input columns and their partial sums are all-reduced.
+
+A hybrid's Gated DeltaNet layers split by key heads, each rank owning whole groups: its key
+heads and the value heads that read them (as vLLM splits them). Its slice of the fused q/k/v
+projection and of the convolution is three ranges (its queries, keys and values), of the
+gate, decay and beta projections its value heads; out_proj is row-parallel. Each rank keeps
+the recurrent and convolution states of its own heads, so the state slots split too.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class TensorParallelShard:
     q_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]  # may end past vocab_size: padding rows of zeros
+    # A hybrid's Gated DeltaNet heads: key heads and the value heads they serve.
+    linear_key_heads: tuple[int, int] = (0, 0)
+    linear_value_heads: tuple[int, int] = (0, 0)
 
     @classmethod
     def plan(cls, config: ModelConfig, rank: int, world_size: int) -> TensorParallelShard:
@@ -43,6 +52,12 @@ class TensorParallelShard:
         group = config.num_heads // config.num_kv_heads
         kv = split_range(config.num_kv_heads, world_size, rank)
         per_rank_vocab = -(-config.vocab_size // world_size)
+        linear_keys = linear_values = (0, 0)
+        if config.linear_attention is not None:
+            shape = config.linear_attention
+            served = shape.num_value_heads // shape.num_key_heads
+            linear_keys = split_range(shape.num_key_heads, world_size, rank)
+            linear_values = (linear_keys[0] * served, linear_keys[1] * served)
         return cls(
             rank=rank,
             world_size=world_size,
@@ -50,16 +65,26 @@ class TensorParallelShard:
             q_heads=(kv[0] * group, kv[1] * group),
             intermediate=split_range(config.intermediate_size, world_size, rank),
             vocab=(rank * per_rank_vocab, (rank + 1) * per_rank_vocab),
+            linear_key_heads=linear_keys,
+            linear_value_heads=linear_values,
         )
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The shapes this rank's model is built with."""
+        linear = config.linear_attention
+        if linear is not None:
+            linear = dataclasses.replace(
+                linear,
+                num_key_heads=self.linear_key_heads[1] - self.linear_key_heads[0],
+                num_value_heads=self.linear_value_heads[1] - self.linear_value_heads[0],
+            )
         return dataclasses.replace(
             config,
             num_heads=self.q_heads[1] - self.q_heads[0],
             num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
             intermediate_size=self.intermediate[1] - self.intermediate[0],
             vocab_size=self.vocab[1] - self.vocab[0],
+            linear_attention=linear,
         )
 
     def shard(self, hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -75,24 +100,44 @@ class TensorParallelShard:
             if missing:
                 rows = torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
             return rows
-        start, end = self._range(split.part, config.head_dim)
-        return tensor.narrow(split.axis, start, end - start)
+        if split.part is Part.FIRST_RANK:
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        ranges = self._ranges(split.part, tensor.shape[split.axis], config)
+        pieces = [tensor.narrow(split.axis, start, end - start) for start, end in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, split.axis)
 
-    def _range(self, part: Part, head_dim: int) -> tuple[int, int]:
-        """[start, end) of this rank's part, in rows (or columns) of a tensor."""
-        if part is Part.Q_HEADS:
-            return self.q_heads[0] * head_dim, self.q_heads[1] * head_dim
+    def _ranges(self, part: Part, length: int, config: ModelConfig) -> list[tuple[int, int]]:
+        """This rank's [start, end) ranges of a tensor's `length` rows (or columns)."""
+        if part is Part.Q_HEADS:  # a head's rows: head_dim, or twice that with output gates
+            return [_head_range(self.q_heads, length // config.num_heads)]
         if part is Part.KV_HEADS:
-            return self.kv_heads[0] * head_dim, self.kv_heads[1] * head_dim
-        return self.intermediate  # Part.INTERMEDIATE
+            return [_head_range(self.kv_heads, length // config.num_kv_heads)]
+        if part is Part.INTERMEDIATE:
+            return [self.intermediate]
+        linear = config.linear_attention
+        assert linear is not None
+        values = _head_range(self.linear_value_heads, linear.value_head_dim)
+        if part is Part.LINEAR_VALUE:
+            return [values]
+        if part is Part.LINEAR_VALUE_HEADS:
+            return [self.linear_value_heads]
+        keys = _head_range(self.linear_key_heads, linear.key_head_dim)
+        key_size = linear.key_size  # LINEAR_QKV: queries, keys, then values
+        return [keys, (key_size + keys[0], key_size + keys[1]),
+                (2 * key_size + values[0], 2 * key_size + values[1])]  # fmt: skip
+
+
+def _head_range(heads: tuple[int, int], per_head: int) -> tuple[int, int]:
+    return heads[0] * per_head, heads[1] * per_head
 
 
 def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
     """EngineConfig has already checked that world_size is a positive integer."""
-    if config.is_hybrid and world_size > 1:
+    linear = config.linear_attention
+    if linear is not None and world_size > linear.num_key_heads:
         raise ValueError(
-            f"tensor_parallel_size={world_size}: hybrid linear-attention models "
-            f"({config.architecture}) run on one rank; use data-parallel replicas to scale"
+            f"tensor_parallel_size={world_size} exceeds the model's {linear.num_key_heads} "
+            "linear-attention key heads: each rank must own at least one (with its value heads)"
         )
     if world_size > config.num_kv_heads:
         raise ValueError(
