@@ -74,3 +74,25 @@ def test_tp2_gives_the_tp1_outputs(model, caching):
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_adds_attention_biases_once(tmp_path):
+    # The sandwich layout, whose linear layers group no value heads, with biased attention.
+    tiny = make_tiny_hybrid("sandwich", tmp_path, attention_bias=True)
+    with torch.no_grad():  # HF starts biases at zero: make them count
+        for name, param in tiny.hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    tiny.hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = _prompts(32, [6, 19])
+    expected = _llm(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
+    llm = _llm(tmp_path, tensor_parallel_size=2)
+    try:
+        for output, reference in zip(
+            llm.generate(prompts, GREEDY, use_tqdm=False), expected, strict=True
+        ):
+            assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+            assert _logprobs_of(output) == pytest.approx(_logprobs_of(reference), abs=1e-4)
+    finally:
+        llm.shutdown()
