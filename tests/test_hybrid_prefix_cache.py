@@ -200,7 +200,7 @@ def test_checkpoint_slots_are_indexed_held_or_free():
 
 def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
     prompt = _prompts(15, [23])[0]
-    llm = _cached_llm(model.path)
+    llm = _llm(model.path)  # a short prompt: kept only because its samples fork there
     params = SamplingParams(n=4, temperature=0, max_tokens=16, ignore_eos=True)
     (first,) = llm.generate([prompt], params, use_tqdm=False)
     steps = len(llm.llm_engine.step_log)
@@ -338,3 +338,21 @@ def test_checkpoints_never_outlive_the_weights_or_a_sleep(model, tmp_path):
     assert woken.num_cached_tokens == 0
     _assert_matches_hf(other.hf_model, [prompt], [woken])
     _assert_nothing_held(llm)
+
+
+def test_checkpoints_hit_again_outlive_those_hit_once():
+    checkpoints = StateCheckpoints([1, 2, 3, 4], block_size=4, interval=16)
+    for digest in (b"s", b"x", b"y", b"z"):
+        checkpoints.reserve(digest)
+    shared = checkpoints.lookup(b"s")
+    assert checkpoints.lookup(b"s") == shared  # hit again: a system prompt's, say
+    checkpoints.lookup(b"x")  # hit once (a chat turn's, read by the next turn)
+    for digest in (b"p", b"q", b"r"):  # evict y, z, then x: least recently used first
+        checkpoints.reserve(digest)
+    assert [checkpoints.lookup(d) is None for d in (b"x", b"y", b"z")] == [True] * 3
+    assert checkpoints.lookup(b"s") == shared
+    for digest in (b"p", b"q", b"p", b"q"):  # two more hit again: past half the slots,
+        checkpoints.lookup(digest)  # s, reused longest ago, goes back first in line
+    checkpoints.reserve(b"t")
+    assert checkpoints.lookup(b"s") is None
+    assert checkpoints.lookup(b"p") is not None and checkpoints.lookup(b"q") is not None

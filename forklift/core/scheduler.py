@@ -349,7 +349,9 @@ class Scheduler:
         if digest is None:  # not cacheable (computed before a reset)
             return
         plan = checkpoints.plan(request.request_id, request.num_prompt_tokens)
-        if plan.is_boundary(position):
+        # A leader of samples stops at its fork anyway: keep the state there too.
+        forks = bool(request.followers) and position == self._fork_point(request)
+        if forks or plan.is_boundary(position):
             target = checkpoints.reserve(digest)
         elif position > plan.prompt_end:
             target = checkpoints.hold(request.request_id, digest)

@@ -25,7 +25,8 @@ prompt must stop for them:
 
 A prompt chunk stops at each of its boundaries, so a request that misses computes the same
 chunks as one that hits and resumes there. Checkpoints are evicted least recently used, those
-never hit first; resetting the prefix cache drops them all.
+hit at most once before those hit again (a segmented LRU); resetting the prefix cache drops
+them all.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class _Held:
 
 class StateCheckpoints:
     """The checkpoint slots: an index from chain digest to slot, evicted least recently used
-    (checkpoints never hit before those hit), plus one held slot per sequence decoding past
-    its prompt, at most half the slots. Every slot is free, indexed, or held."""
+    as a segmented LRU (checkpoints hit at most once before those hit again, which keep at
+    most half the slots), plus one held slot per sequence decoding past its prompt, at most half the slots.
+    Every slot is free, indexed, or held."""
 
     def __init__(
         self,
@@ -107,11 +109,12 @@ class StateCheckpoints:
         self.slots = tuple(slots)
         self.capacity = len(slots)
         self._free = list(reversed(slots))
-        # Least recently used first: checkpoints never hit, and those hit at least once. A
-        # slot is taken from the first while it has any, so every request's own prompt end
-        # never pushes out a system prompt's checkpoint that others resume from.
+        # Least recently used first: checkpoints hit at most once, and those hit again (at
+        # most half the slots). A slot is taken from the first while it has any, so requests'
+        # own prompt ends never push out a system prompt's checkpoint that others resume from.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
         self._reused: OrderedDict[bytes, int] = OrderedDict()
+        self._hit_once: set[bytes] = set()  # checkpoints among the first hit once so far
         self._held: dict[str, _Held] = {}
         # Per admitted request: (where it resumed, where its cached blocks ended).
         self._admitted: dict[str, tuple[int, int]] = {}
@@ -127,11 +130,24 @@ class StateCheckpoints:
         )
 
     def lookup(self, digest: bytes) -> int | None:
-        """The slot holding the state after the chain `digest` ends, marked recently used
-        (and reused: it now outlives checkpoints never hit)."""
-        slot = self._fresh.pop(digest, None)
+        """The slot holding the state after the chain `digest` ends, marked recently used.
+        A checkpoint hit a second time (a shared system prompt's, not a chat turn's, which
+        only the next turn reads) joins the reused ones, at most half the slots: past that
+        the least recently used of them goes back among the others, first to be evicted (a
+        segmented LRU)."""
+        slot = self._fresh.get(digest)
+        if slot is not None and digest not in self._hit_once:
+            self._hit_once.add(digest)
+            self._fresh.move_to_end(digest)
+            return slot
         if slot is not None:
+            del self._fresh[digest]
+            self._hit_once.discard(digest)
             self._reused[digest] = slot
+            if len(self._reused) > max(self.capacity // 2, 1):
+                demoted, demoted_slot = self._reused.popitem(last=False)
+                self._fresh[demoted] = demoted_slot
+                self._fresh.move_to_end(demoted, last=False)
             return slot
         slot = self._reused.get(digest)
         if slot is not None:
@@ -192,6 +208,7 @@ class StateCheckpoints:
         for index in (self._fresh, self._reused):
             self._free.extend(index.values())
             index.clear()
+        self._hit_once.clear()
         for held in self._held.values():
             held.digest = None
         return dropped
@@ -208,7 +225,10 @@ class StateCheckpoints:
         """A free slot, or the least recently used checkpoint's (one never hit first)."""
         if self._free:
             return self._free.pop()
-        for index in (self._fresh, self._reused):
-            if index:
-                return index.popitem(last=False)[1]
+        if self._fresh:
+            digest, slot = self._fresh.popitem(last=False)
+            self._hit_once.discard(digest)
+            return slot
+        if self._reused:
+            return self._reused.popitem(last=False)[1]
         return None
