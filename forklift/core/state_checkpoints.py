@@ -91,8 +91,8 @@ class _Held:
 class StateCheckpoints:
     """The checkpoint slots: an index from chain digest to slot, evicted least recently used
     as a segmented LRU (checkpoints hit at most once before those hit again, which keep at
-    most half the slots), plus one held slot per sequence decoding past its prompt, at most half the slots.
-    Every slot is free, indexed, or held."""
+    most half the slots), plus one held slot per sequence decoding past its prompt (at most
+    half the slots). Every slot is free, indexed, or held."""
 
     def __init__(
         self,
