@@ -283,7 +283,8 @@ def test_a_request_id_may_not_clash_with_another_requests_sample_ids(llm):
 
 def test_an_engine_chosen_id_skips_one_whose_sample_ids_are_taken(llm):
     engine = llm.llm_engine
-    upcoming = str(engine._next_id + 1)  # the id the engine would choose next
+    probe = engine.add_request(None, "w1 w2", SamplingParams(max_tokens=2))
+    upcoming = str(int(probe) + 1)  # the id the engine would choose next: ids count up
     engine.add_request(f"{upcoming}#1", "w1 w2", SamplingParams(max_tokens=2))
     chosen = engine.add_request(None, "w1 w2", SamplingParams(n=2, max_tokens=2))
     assert chosen != upcoming

@@ -79,7 +79,7 @@ def test_a_prompt_arriving_among_decodes_is_scheduled_by_the_next_step(tiny_dir)
     for _ in range(5):
         engine.step()
     engine.add_request("late", random_prompts(1, seed=3)[0], params)
-    late = engine._parents["late"].metrics
+    late = engine.requests.parent("late").metrics
     engine.step()
     # Free sequence slots and the token budget: no step runs without it.
     assert late.first_scheduled_time is not None and late.steps_waited == 0
@@ -92,10 +92,10 @@ def test_a_prompt_arriving_among_decodes_is_scheduled_by_the_next_step(tiny_dir)
     engine.step()
     engine.add_request("late", random_prompts(1, seed=7)[0], params)
     steps = 0
-    while engine._parents["late"].metrics.first_scheduled_time is None:
+    while engine.requests.parent("late").metrics.first_scheduled_time is None:
         engine.step()
         steps += 1
-    assert engine._parents["late"].metrics.steps_waited == steps - 1 <= 3
+    assert engine.requests.parent("late").metrics.steps_waited == steps - 1 <= 3
 
 
 @pytest.mark.parametrize("stream", [True, False])

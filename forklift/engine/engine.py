@@ -23,6 +23,7 @@ from forklift.engine.output_processor import (
     ParentRequest,
     mark_first_token,
 )
+from forklift.engine.request_table import RequestTable, sequence_ids
 from forklift.engine.setup import build_engine, log_startup
 from forklift.engine.stats import EngineStats, PrefixCacheStats, StepRecord
 from forklift.lora_request import LoRARequest
@@ -43,11 +44,6 @@ _SEQUENCE_SEED_STRIDE = 0x9E3779B97F4A7C1
 def sample_seed(request_seed: int, index: int) -> int:
     """The seed of sample `index` of a request with `n > 1` samples."""
     return (request_seed + index * _SEQUENCE_SEED_STRIDE) % (1 << 62)
-
-
-def _sequence_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request's n sequences: its own when n is 1, else "<id>#<index>"."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 # Step records kept for inspection (tests, debugging); older ones are dropped.
@@ -88,10 +84,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.grammars, self.model_config.vocab_size, self.max_model_len
         )
-        self._parents: dict[str, ParentRequest] = {}
-        self._sequences: dict[str, tuple[ParentRequest, OutputSequence]] = {}
+        self.requests = RequestTable()
         self._rng = random.Random(config.seed)
-        self._next_id = 0
         self.step_log: deque[StepRecord] = deque(maxlen=_STEP_LOG_SIZE)
         self._num_steps = 0
         log_startup(parts, self.speculation)
@@ -133,9 +127,9 @@ class LLMEngine:
             key += self.loras.cache_key_part(lora_id)
         cache_key = repr(key).encode()
         if request_id is None:
-            request_id = self._fresh_id(params.n)
-        seq_ids = _sequence_ids(request_id, params.n)
-        taken = self._taken(request_id, seq_ids)
+            request_id = self.requests.next_free_id(params.n)
+        seq_ids = sequence_ids(request_id, params.n)
+        taken = self.requests.taken(request_id, params.n)
         if taken == request_id:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if taken is not None:  # e.g. "x#0" beside another request "x" with n > 1
@@ -173,8 +167,7 @@ class LLMEngine:
                 index, request, self.output_processor.new_detokenizer(request)
             )
             parent.sequences.append(sequence)
-            self._sequences[seq_id] = (parent, sequence)
-        self._parents[request_id] = parent
+        self.requests.add(parent)
         leader, *followers = [sequence.request for sequence in parent.sequences]
         if len(prompt_ids) > self.config.block_size:  # else there is no full block to share
             leader.followers = followers
@@ -197,41 +190,27 @@ class LLMEngine:
             )
         return self.loras.add(lora_request)
 
-    def _taken(self, request_id: str, seq_ids: list[str]) -> str | None:
-        """The id already in use (the request's own, or one of its sequences'), or None."""
-        if request_id in self._parents:
-            return request_id
-        return next((seq_id for seq_id in seq_ids if seq_id in self._sequences), None)
-
-    def _fresh_id(self, n: int) -> str:
-        while True:
-            self._next_id += 1
-            candidate = str(self._next_id)
-            if self._taken(candidate, _sequence_ids(candidate, n)) is None:
-                return candidate
-
     def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests wherever they are; their blocks are freed at once. Unknown ids are
         ignored (the request may have just finished)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outputs = []
         for rid in ids:
-            parent = self._parents.pop(rid, None)
+            parent = self.requests.remove(rid)
             if parent is None:
                 continue
             for sequence in parent.sequences:
                 self.scheduler.finish(sequence.request, FinishReason.ABORT)
-                self._sequences.pop(sequence.request.request_id, None)
                 self.speculator.forget(sequence.request)
             parent.metrics.finished_time = time.time()
             outputs.append(self._output(parent))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return len(self.requests) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.requests)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -242,9 +221,9 @@ class LLMEngine:
         now = time.time()
         started = time.perf_counter()
         for request_id in sched.preempted:
-            self._sequences[request_id][1].request.queued_time = now
+            self.requests.sequence(request_id)[1].request.queued_time = now
         for item in sched.scheduled:
-            parent, _ = self._sequences[item.request_id]
+            parent, _ = self.requests.sequence(item.request_id)
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
                 parent.metrics.steps_waited = self._num_steps - parent.queued_at_step
@@ -275,7 +254,7 @@ class LLMEngine:
             nonlocal emitted
             assert out is not None
             emitted += 1
-            parent, sequence = self._sequences[sched.scheduled[item].request_id]
+            parent, sequence = self.requests.sequence(sched.scheduled[item].request_id)
             stopped = self._process_sample(sequence, out, rows_of[item][position])
             mark_first_token(parent.metrics)
             touched[parent.request_id] = parent
@@ -284,7 +263,7 @@ class LLMEngine:
         self.scheduler.update(sched, sampled, on_token)
         for item, scores in result.prompt_scores:
             chunk = sched.scheduled[item]
-            parent, _ = self._sequences[chunk.request_id]
+            parent, _ = self.requests.sequence(chunk.request_id)
             top = chunk.prompt_logprobs or 0
             self.output_processor.record_prompt_logprobs(parent, chunk.start + 1, scores, top)
         if self.speculator.proposer is not None:
@@ -294,7 +273,7 @@ class LLMEngine:
 
     def _siblings(self, sequence_id: str) -> list[str]:
         """The ids of every sample of the request `sequence_id` belongs to."""
-        parent, _ = self._sequences[sequence_id]
+        parent, _ = self.requests.sequence(sequence_id)
         return [sibling.request.request_id for sibling in parent.sequences]
 
     def _record_step(
@@ -307,7 +286,7 @@ class LLMEngine:
         parents: dict[str, ParentRequest] = {}
         prompt_tokens: dict[str, int] = {}
         for chunk in sched.scheduled:
-            parent = self._sequences[chunk.request_id][0]
+            parent = self.requests.sequence(chunk.request_id)[0]
             parents[parent.request_id] = parent
             if chunk.num_prompt_tokens:
                 before = prompt_tokens.get(parent.request_id, 0)
@@ -380,9 +359,8 @@ class LLMEngine:
     def _emit(self, parent: ParentRequest) -> RequestOutput:
         if parent.finished:
             parent.metrics.finished_time = time.time()
-            self._parents.pop(parent.request_id, None)
+            self.requests.remove(parent.request_id)
             for sequence in parent.sequences:
-                self._sequences.pop(sequence.request.request_id, None)
                 self.speculator.forget(sequence.request)
         return self._output(parent)
 
