@@ -320,6 +320,7 @@ class Scheduler:
         checkpoints = kv.state_checkpoints
         assert checkpoints is not None
         hits = len(cached[0]) if cached else 0
+        cached_end = hits * kv.block_size
         tokens = request.all_token_ids
         digests = kv.chain_digests(tokens, request.cache_key, hits)
         for count in range(hits, 0, -1):
@@ -329,11 +330,10 @@ class Scheduler:
             if count < hits:
                 cached = kv.lookup_prefix(tokens, request.cache_key, max_blocks=count)
             if cached and len(cached[0]) == count:
-                checkpoints.admitted(request.request_id, hits * kv.block_size,
-                                        count * kv.block_size)  # fmt: skip
+                checkpoints.admitted(request.request_id, cached_end, count * kv.block_size)
                 return cached, slot
             break
-        checkpoints.admitted(request.request_id, hits * kv.block_size, 0)
+        checkpoints.admitted(request.request_id, cached_end, 0)
         return [], None
 
     def _checkpoint(self, request: Request) -> None:
