@@ -133,9 +133,16 @@ class KVCacheManager:
         The last token is never covered, so a request always computes at least one token
         and has logits to sample from.
         """
+        return self.lookup_prefix_chain(token_ids, extra_key, max_blocks)[0]
+
+    def lookup_prefix_chain(
+        self, token_ids: Sequence[int], extra_key: bytes = b"", max_blocks: int | None = None
+    ) -> tuple[list[list[int]], list[bytes]]:
+        """`lookup_prefix`'s tables and the chain digests of the blocks they cover, in order
+        (what a hybrid model's state checkpoints are filed under)."""
         empty: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return empty
+            return empty, []
         size = self.block_size
         keys, first_hits = self._chain(token_ids, extra_key, max_blocks)
         hits = [first_hits] + [
@@ -150,27 +157,13 @@ class KVCacheManager:
         while count > 0 and not self._window_hits(hits, count):
             count -= 1
         if count == 0:
-            return empty
+            return empty, []
         tables = []
         for group, window in enumerate(self.windows):
             first = window_start_block(count * size, window, size)
             blocks = hits[group][first:count]
             tables.append([NULL_BLOCK_ID] * first + [b for b in blocks if b is not None])
-        return tables
-
-    def chain_digests(
-        self, token_ids: Sequence[int], extra_key: bytes, num_blocks: int
-    ) -> list[bytes]:
-        """The digests of the chain of the first `num_blocks` full blocks of `token_ids`."""
-        digests: list[bytes] = []
-        parent = _ROOT_DIGEST
-        size = self.block_size
-        for index in range(num_blocks):
-            parent = block_key(
-                parent, token_ids[index * size : (index + 1) * size], extra_key
-            ).digest
-            digests.append(parent)
-        return digests
+        return tables, [key.digest for key in keys[:count]]
 
     def block_digest(self, request_id: str, index: int) -> bytes | None:
         """The chain digest of the request's block `index` once it is computed and cacheable;

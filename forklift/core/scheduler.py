@@ -283,10 +283,12 @@ class Scheduler:
         fresh = request.num_computed_tokens == 0 and not kv.block_table(request.request_id)
         # A request scoring its prompt computes every prompt position: no cache hit for it.
         lookup = fresh and request.sampling_params.prompt_logprobs is None
-        cached = kv.lookup_prefix(request.all_token_ids, request.cache_key) if lookup else []
+        cached: list[list[int]] = []
         restore = None
         if lookup and kv.state_checkpoints is not None:
-            cached, restore = self._resume_point(request, cached)
+            cached, restore = self._resume_point(request)
+        elif lookup:
+            cached = kv.lookup_prefix(request.all_token_ids, request.cache_key)
         start = request.num_computed_tokens + (len(cached[0]) if cached else 0) * kv.block_size
         num_new = self._chunk(request, start, budget)
         if num_new == 0 or not kv.allocate_slots(
@@ -310,19 +312,17 @@ class Scheduler:
             self._release_followers(request)
         return self._chunk_of(request, num_new)
 
-    def _resume_point(
-        self, request: Request, cached: list[list[int]]
-    ) -> tuple[list[list[int]], int | None]:
+    def _resume_point(self, request: Request) -> tuple[list[list[int]], int | None]:
         """Hybrid models: the cached blocks a request can resume after (those up to the latest
         checkpoint they reach) and that checkpoint's slot; none without one. Cached blocks
         past the checkpoint make the request leave one where they end."""
         kv = self.kv_manager
         checkpoints = kv.state_checkpoints
         assert checkpoints is not None
-        hits = len(cached[0]) if cached else 0
-        cached_end = hits * kv.block_size
         tokens = request.all_token_ids
-        digests = kv.chain_digests(tokens, request.cache_key, hits)
+        cached, digests = kv.lookup_prefix_chain(tokens, request.cache_key)
+        hits = len(digests)
+        cached_end = hits * kv.block_size
         for count in range(hits, 0, -1):
             slot = checkpoints.lookup(digests[count - 1])
             if slot is None:
