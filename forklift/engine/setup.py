@@ -386,7 +386,7 @@ def log_startup(parts: EngineParts, spec: SpeculativeConfig | None) -> None:
             "and spares for verifying drafts)",
             plan.num_state_slots,
             plan.state_bytes_per_slot / 2**20,
-            plan.num_state_slots * plan.state_bytes_per_slot / 2**20,
+            plan.state_bytes / 2**20,
         )
     if plan.num_checkpoint_slots and parts.kv_manager.state_checkpoints is not None:
         logger.info(

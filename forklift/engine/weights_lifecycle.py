@@ -44,8 +44,9 @@ class WeightsLifecycle:
     def allocate_kv_caches(self) -> None:
         plan = self.kv_plan
         # A hybrid's checkpoint slots follow its sequences' slots in the same tensors.
-        slots = plan.num_state_slots + plan.num_checkpoint_slots if plan.num_state_slots else 0
-        self.runner.allocate_kv_cache(plan.num_blocks, slots)
+        self.runner.allocate_kv_cache(
+            plan.num_blocks, plan.num_state_slots + plan.num_checkpoint_slots
+        )
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(self.kv_plan.num_blocks)
         if self.mtp is not None:

@@ -126,10 +126,8 @@ class KVCachePlan:
 
     @property
     def state_bytes(self) -> int:
-        """Every state slot's bytes: the zero slot, the sequences' and the checkpoints'."""
-        if not self.num_state_slots:
-            return 0
-        return (self.num_state_slots + self.num_checkpoint_slots + 1) * self.state_bytes_per_slot
+        """The sequences' state slots and the zero slot (checkpoints: `checkpoint_bytes`)."""
+        return (self.num_state_slots + 1) * self.state_bytes_per_slot if self.num_state_slots else 0
 
     @property
     def checkpoint_bytes(self) -> int:
