@@ -10,10 +10,10 @@ digest of the block chain up to that boundary, which carries the cache salt, ada
 weight version along with the tokens. A hit resumes from the latest checkpoint at or before
 the longest cached prefix and recomputes the rest.
 
-Boundaries, chosen so the common cases hit (`CheckpointPlan`), from `min_tokens` on where a
-prompt must stop for them:
-- the end of the prompt's full blocks before its last token: the same prompt again, or a
-  sample of `n > 1` (which forks there anyway);
+Boundaries, chosen so the common cases hit (`CheckpointPlan`); a prompt stops for one only
+`min_tokens` or more past where the request started:
+- the end of the prompt's full blocks before its last token: the same prompt again (and, at
+  any length, the fork of `n > 1` samples, where the prompt stops anyway: core/scheduler.py);
 - every `interval` tokens inside a long prompt, so a long shared document costs at most
   `interval` tokens of recompute to the second request that shares it;
 - a branch point: a request whose cached K/V reach past its latest checkpoint (a shared
@@ -24,9 +24,9 @@ prompt must stop for them:
   digest when the sequence finishes.
 
 A prompt chunk stops at each of its boundaries, so a request that misses computes the same
-chunks as one that hits and resumes there. Checkpoints are evicted least recently used, those
-hit at most once before those hit again (a segmented LRU); resetting the prefix cache drops
-them all.
+chunks as a later one that hits and resumes at one of them. Checkpoints are evicted least
+recently used, those hit at most once before those hit again (a segmented LRU); resetting the
+prefix cache drops them all.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ class StateCheckpoints:
         self.min_tokens = min_tokens
         self.slots = tuple(slots)
         self.capacity = len(slots)
+        # The most slots checkpoints hit again keep, and the most decoding sequences hold.
+        self._half = max(self.capacity // 2, 1)
         self._free = list(reversed(slots))
         # Least recently used first: checkpoints hit at most once, and those hit again (at
         # most half the slots). A slot is taken from the first while it has any, so requests'
@@ -144,7 +146,7 @@ class StateCheckpoints:
             del self._fresh[digest]
             self._hit_once.discard(digest)
             self._reused[digest] = slot
-            if len(self._reused) > max(self.capacity // 2, 1):
+            if len(self._reused) > self._half:
                 demoted, demoted_slot = self._reused.popitem(last=False)
                 self._fresh[demoted] = demoted_slot
                 self._fresh.move_to_end(demoted, last=False)
@@ -180,7 +182,7 @@ class StateCheckpoints:
                 held.digest = None  # an earlier boundary: not worth filing at the end
             return None
         if held is None:
-            if len(self._held) >= max(self.capacity // 2, 1):
+            if len(self._held) >= self._half:
                 return None
             slot = self._take()
             if slot is None:
@@ -222,7 +224,7 @@ class StateCheckpoints:
         return False
 
     def _take(self) -> int | None:
-        """A free slot, or the least recently used checkpoint's (one never hit first)."""
+        """A free slot, or the least recently used checkpoint's (one hit at most once first)."""
         if self._free:
             return self._free.pop()
         if self._fresh:
