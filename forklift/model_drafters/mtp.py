@@ -91,7 +91,6 @@ class MtpProgress:
     states of positions [hidden_start, hidden_start + len(hidden)) wait to be consumed."""
 
     num_computed: int = 0
-    num_preemptions: int = 0
     hidden_start: int = 0
     hidden: torch.Tensor | None = None
 
@@ -101,7 +100,10 @@ class MtpProgress:
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """The target's hidden states of positions [start, start + len(rows))."""
-        if start < self.num_computed:  # recomputed after a preemption (or resumed there)
+        # A preempted sequence computed again from 0, or resumed from the prefix cache: the
+        # layer's K/V hold positions up to where it starts again (num_computed never passes
+        # hidden_start, so nothing else needs resetting).
+        if start < self.num_computed:
             self.num_computed = start
         if self.hidden is None or not self.hidden_start <= start <= self.hidden_end:
             self.hidden_start, self.hidden = start, rows
@@ -210,11 +212,6 @@ class MtpProposer:
         progress = self._progress.get(query.request_id)
         if progress is None:
             return None
-        if progress.num_preemptions != query.num_preemptions:
-            # Recomputed from the start, or resumed from the prefix cache: the layer carries
-            # on from the first hidden state kept since.
-            progress.num_preemptions = query.num_preemptions
-            progress.num_computed = min(progress.num_computed, progress.hidden_start)
         # The layer reads the token after each position: up to the newest token's.
         end = min(query.num_computed_tokens, len(query.token_ids) - 1)
         progress.num_computed = min(progress.num_computed, end)
