@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from test_hybrid import GREEDY, _llm, _prompts
+from test_hybrid_prefix_cache import _logprobs
 from tiny_models import make_tiny_hybrid
 
 from forklift import SamplingParams
@@ -21,11 +22,6 @@ LINEAR_TENSORS = (
     "linear_attn.conv1d.weight", "linear_attn.dt_bias", "linear_attn.A_log",
     "linear_attn.out_proj.weight",
 )  # fmt: skip
-
-
-def _logprobs_of(output) -> list[float]:
-    completion = output.outputs[0]
-    return [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +65,7 @@ def test_tp2_gives_the_tp1_outputs(model, caching):
             if params is GREEDY:
                 for output, reference in zip(outputs, expected, strict=True):
                     assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-                    assert _logprobs_of(output) == pytest.approx(_logprobs_of(reference), abs=1e-4)
+                    assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-4)
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
     finally:
@@ -93,6 +89,6 @@ def test_tp2_adds_attention_biases_once(tmp_path):
             llm.generate(prompts, GREEDY, use_tqdm=False), expected, strict=True
         ):
             assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-            assert _logprobs_of(output) == pytest.approx(_logprobs_of(reference), abs=1e-4)
+            assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-4)
     finally:
         llm.shutdown()
