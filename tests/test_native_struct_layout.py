@@ -21,6 +21,8 @@ import forklift
 from forklift.native import build as native_build
 from forklift.native.decode_step import (
     StepLayer,
+    StepLinearLayer,
+    StepLinearShape,
     StepLoRA,
     StepModel,
     StepQuantWeight,
@@ -31,6 +33,8 @@ from forklift.native.decode_step import (
 MIRRORS: dict[type[ctypes.Structure], str] = {
     StepQuantWeight: "QuantWeight",
     StepLoRA: "StepLoRA",
+    StepLinearLayer: "LinearLayer",
+    StepLinearShape: "LinearShape",
     StepLayer: "StepLayer",
     _StepGroup: "StepGroup",
     StepModel: "StepModel",

@@ -1,4 +1,5 @@
-"""Binds a Llama-family or Gemma 3 model to the native decode step (native/decode_step.py).
+"""Binds a Llama-family, Gemma 3 or Qwen3.5 hybrid model to the native decode step
+(native/decode_step.py).
 
 `StepBinding` reads the model once into C structs of raw pointers (weights, norms, rotary
 tables, each layer's KV cache). The binding holds pointers, not tensors' lifetimes: the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -24,8 +26,18 @@ from forklift.model.layers.lora_weights import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
+from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.native.decode_attention_kernel import CACHE_FORMATS, CODED_CACHE_DTYPES
-from forklift.native.decode_step import StepLayer, StepLoRA, StepModel, StepQuantWeight
+from forklift.native.decode_step import (
+    LAYER_ATTENTION,
+    LAYER_LINEAR,
+    StepLayer,
+    StepLinearLayer,
+    StepLinearShape,
+    StepLoRA,
+    StepModel,
+    StepQuantWeight,
+)
 from forklift.native.dense_weights import pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
@@ -86,9 +98,7 @@ def dense_linears(model: nn.Module) -> dict[str, torch.Tensor] | None:
     them are dense bf16 (no quantized copy); else None."""
     weights = {}
     for index, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        for name, linear in zip(_PROJECTIONS, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                               mlp.down_proj), strict=True):  # fmt: skip
+        for name, linear in zip(_PROJECTIONS, _layer_linears(layer), strict=True):
             if linear.quantized is not None:
                 return None
             weights[f"{index}.{name}"] = linear.weight
@@ -100,6 +110,22 @@ def dense_linears(model: nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The native model classes: a hybrid's linear layers run csrc/gated_deltanet.h.
+_NATIVE_MODELS = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3_5ForCausalLM)
+
+
+def _is_linear_layer(layer: nn.Module) -> bool:
+    return hasattr(layer, "linear_attn")
+
+
+def _layer_linears(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """A layer's four projections in the step's order: the mixer's input and output (q/k/v
+    and o, or a linear layer's in_proj and out_proj), then the MLP's."""
+    if _is_linear_layer(layer):
+        first, out = layer.linear_attn.in_proj, layer.linear_attn.out_proj
+    else:
+        first, out = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+    return first, out, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def dense_tile_bytes(model: nn.Module) -> int:
@@ -113,8 +139,8 @@ def dense_tile_bytes(model: nn.Module) -> int:
 def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | None:
     """Why this model cannot run the native step (None: it can). `dense_tiles`: the step
     library runs dense bf16 weights on this CPU (AMX), so they qualify too."""
-    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
-        return f"{type(model).__name__} is neither a Llama-family nor a Gemma 3 model"
+    if type(model) not in _NATIVE_MODELS:
+        return f"{type(model).__name__} is not a Llama-family, Gemma 3 or Qwen3.5 model"
     if model.tp is not None:
         return "tensor parallelism"
     if model.embed_tokens.weight.dtype not in _DTYPE_FLAGS:
@@ -123,16 +149,23 @@ def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | Non
         return "an odd rotary dimension"
     blocks = (BlockInt4, BlockInt8)
     dense = dense_tiles and dense_linears(model) is not None
+    dtype = model.embed_tokens.weight.dtype
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not dense and not all(isinstance(lin.quantized, blocks) for lin in linears):
+        if not dense and not all(
+            isinstance(lin.quantized, blocks) for lin in _layer_linears(layer)
+        ):
             return (
                 "layers without native block weights (quantization none, or decode_backend "
                 "torch), nor dense bf16 ones on a CPU with AMX"
             )
         norms = [*_layer_norms(layer), model.norm]
-        norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+        if _is_linear_layer(layer):
+            mixer = layer.linear_attn
+            own = (mixer.conv1d_weight, mixer.dt_bias, mixer.A_log, mixer.norm.weight)
+            if any(t.dtype != dtype for t in own):
+                return "linear layers' tensors in another dtype than the model's"
+        else:
+            norms += [n for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
         if len({type(n) for n in norms}) != 1 or type(norms[0]) not in _NORM_OFFSETS:
             return "norms other than RMSNorm (or, throughout, the 1 + w kind)"
     if not dense and not isinstance(_head_weight(model), blocks):
@@ -163,7 +196,8 @@ class StepBinding:
         """`dense_buffer`: an earlier binding's `dense_buffer`, packed into again (the runner
         passes it on across weight updates)."""
         config = model.config
-        key_cache = layer_caches[0][0]
+        attention = config.attention_layers  # (a hybrid's linear layers hold states)
+        key_cache = layer_caches[attention[0]][0]
         kv_heads, num_blocks, block_size = key_cache.shape[:3]
         head_dim = config.head_dim
         dtype = model.embed_tokens.weight.dtype
@@ -192,6 +226,9 @@ class StepBinding:
         layers = []
         caches = zip(model.layers, layer_caches, strict=True)
         for index, (layer, (keys, values)) in enumerate(caches):
+            if _is_linear_layer(layer):
+                layers.append(self._linear_layer(model, index, keys, values, weight))
+                continue
             attn, mlp = layer.self_attn, layer.mlp
             if (keys.dtype != dtype and keys.dtype not in CODED_CACHE_DTYPES) or (
                 values.dtype != keys.dtype
@@ -221,8 +258,9 @@ class StepBinding:
                 _pointer(cos),
                 _pointer(sin),
                 getattr(layer, "kv_group", 0),
-                *(_lora(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj)),
+                *(_lora(lin) for lin in _layer_linears(layer)),
+                LAYER_ATTENTION,
+                int(config.attention_output_gate),
             ))  # fmt: skip
         self._layers = (StepLayer * len(layers))(*layers)
         # A dropped embedding is looked up in the tied head's int8 blocks.
@@ -233,13 +271,59 @@ class StepBinding:
         self.model = StepModel(
             config.num_layers, config.hidden_size, config.num_heads, kv_heads, head_dim,
             config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
-            block_size, config.rms_norm_eps, model.layers[0].self_attn.scale,
+            block_size, config.rms_norm_eps, model.layers[attention[0]].self_attn.scale,
             _DTYPE_FLAGS[dtype], embed, _pointer(model.norm.weight),
             weight(_head_weight(model), "head"), self._layers,
             _NORM_OFFSETS[type(model.norm)], config.embedding_multiplier if gemma else 0.0,
             int(config.mlp_activation == "gelu_tanh"), embed_blocks,
-            CACHE_FORMATS[key_cache.dtype],
+            CACHE_FORMATS[key_cache.dtype], _linear_shape(config),
         )  # fmt: skip
+
+    @staticmethod
+    def _linear_layer(
+        model: LlamaForCausalLM,
+        index: int,
+        conv_states: torch.Tensor,
+        recurrent_states: torch.Tensor,
+        weight: Callable[[object, str], StepQuantWeight],
+    ) -> StepLayer:
+        """A Gated DeltaNet layer: its projections in the attention's places, its state
+        slots in place of the KV cache."""
+        layer = model.layers[index]
+        mixer, mlp = layer.linear_attn, layer.mlp
+        if conv_states.dtype != model.embed_tokens.weight.dtype:
+            raise ValueError("the native step needs the convolution states in the model's dtype")
+        return StepLayer(
+            input_norm=_pointer(layer.input_layernorm.weight),
+            post_norm=_pointer(layer.post_attention_layernorm.weight),
+            qkv=weight(mixer.in_proj.quantized, f"{index}.qkv"),
+            o=weight(mixer.out_proj.quantized, f"{index}.o"),
+            gate_up=weight(mlp.gate_up_proj.quantized, f"{index}.gate_up"),
+            down=weight(mlp.down_proj.quantized, f"{index}.down"),
+            lora_qkv=_lora(mixer.in_proj),
+            lora_o=_lora(mixer.out_proj),
+            lora_gate_up=_lora(mlp.gate_up_proj),
+            lora_down=_lora(mlp.down_proj),
+            kind=LAYER_LINEAR,
+            linear=StepLinearLayer(
+                _pointer(mixer.conv1d_weight),
+                _pointer(mixer.dt_bias),
+                _pointer(mixer.A_log),
+                _pointer(mixer.norm.weight),
+                _pointer(conv_states),
+                _pointer(recurrent_states),
+            ),  # fmt: skip
+        )
+
+
+def _linear_shape(config: ModelConfig) -> StepLinearShape:
+    shape = config.linear_attention
+    if shape is None or not config.is_hybrid:
+        return StepLinearShape()
+    return StepLinearShape(
+        shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
+        shape.conv_kernel,
+    )  # fmt: skip
 
 
 # Most rows of one attention task, and rows a step computes at a time (csrc/decode_step.c's

@@ -47,6 +47,31 @@ class StepLoRA(ctypes.Structure):
     ]
 
 
+class StepLinearLayer(ctypes.Structure):
+    """A Gated DeltaNet layer's own tensors (csrc/gated_deltanet.h's LinearLayer)."""
+
+    _fields_ = [
+        ("conv_weight", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p),
+        ("a_log", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p),
+        ("conv_states", ctypes.c_void_p),
+        ("recurrent_states", ctypes.c_void_p),
+    ]
+
+
+class StepLinearShape(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel")
+    ]
+
+
+# A layer's token mixer (csrc/decode_step.c's LAYER_*).
+LAYER_ATTENTION = 0
+LAYER_LINEAR = 1
+
+
 class StepLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -70,6 +95,9 @@ class StepLayer(ctypes.Structure):
         ("lora_o", StepLoRA),
         ("lora_gate_up", StepLoRA),
         ("lora_down", StepLoRA),
+        ("kind", ctypes.c_int64),
+        ("output_gate", ctypes.c_int64),
+        ("linear", StepLinearLayer),
     ]
 
 
@@ -99,6 +127,7 @@ class StepModel(ctypes.Structure):
         ("gelu", ctypes.c_int),
         ("embed_blocks", StepQuantWeight),
         ("cache_format", ctypes.c_int),
+        ("linear", StepLinearShape),
     ]  # fmt: skip
 
 
@@ -129,7 +158,8 @@ class NativeDecodeStep:
         function.argtypes = [
             ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_StepGroup), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -168,12 +198,14 @@ class NativeDecodeStep:
         row_lora: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
         keep_hidden: bool = False,
+        states: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StepOutput:
         """One token per row (a decode row, or one token of a prompt chunk); K/V written in
         place. `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
         `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter;
         `logit_rows`: the rows whose logits are wanted, ascending (None: every row);
-        `keep_hidden`: also return every row's final normed hidden state."""
+        `keep_hidden`: also return every row's final normed hidden state; `states`: a
+        hybrid model's per-row state slots (reads, writes: see csrc/gated_deltanet.h)."""
         rows = input_ids.shape[0]
         limit = binding.max_rows
         if rows <= 0 or (limit is not None and rows > limit):
@@ -204,6 +236,15 @@ class NativeDecodeStep:
             or bool((logit_rows[1:] <= logit_rows[:-1]).any())
         ):  # fmt: skip
             raise ValueError("logit_rows must be ascending rows of the step")
+        state_rows = (None, None)
+        if states is not None:
+            reads, writes = (t.to(torch.int64).contiguous() for t in states)
+            if reads.shape != (rows,) or writes.shape != (rows,) or int(reads[0]) < 0:
+                raise ValueError("state reads and writes need one slot per row, the first read")
+            kept += [reads, writes]
+            state_rows = (reads.data_ptr(), writes.data_ptr())
+        elif binding.model.linear.value_heads:
+            raise ValueError("a hybrid model's native step needs its rows' state slots")
         logits = torch.empty(logit_rows.numel(), binding.vocab, dtype=torch.float32)
         hidden = torch.empty(rows, binding.hidden, dtype=torch.float32) if keep_hidden else None
         profiling = torch.autograd.profiler._is_profiler_enabled
@@ -212,10 +253,12 @@ class NativeDecodeStep:
                 ctypes.byref(binding.model), rows, ids.data_ptr(), positions.data_ptr(),
                 group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
                 None if lora_rows is None else lora_rows.data_ptr(), logit_rows.data_ptr(),
-                logit_rows.numel(), None if hidden is None else hidden.data_ptr(),
+                logit_rows.numel(), None if hidden is None else hidden.data_ptr(), *state_rows,
             )  # fmt: skip
         if failed == 2:
             raise RuntimeError("dense bf16 weights bound to a step library without AMX tiles")
+        if failed == 3:
+            raise ValueError("a state chain cut by a chunk boundary stores its state nowhere")
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         return StepOutput(logits, hidden)

@@ -139,9 +139,11 @@ class StepBackend:
         layer_caches: list[LayerCache],
         inputs: StepInputs,
         row_lora: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, PromptScores | None]:
-        """The native step on a step's inputs: logits of the sampling rows (None if none)
-        and the asked prompt rows' scores. `row_lora`: each token's adapter slot, if any."""
+        keep_hidden: bool = False,
+    ) -> tuple[torch.Tensor | None, PromptScores | None, torch.Tensor | None]:
+        """The native step on a step's inputs: logits of the sampling rows (None if none),
+        the asked prompt rows' scores and, with `keep_hidden`, every token's final normed
+        hidden state (an MTP drafter reads them). `row_lora`: each token's adapter slot."""
         assert self.native_step is not None and inputs.row_attention is not None
         self.bind(model, layer_caches)  # again after the weights or the cache changed
         assert self.binding is not None
@@ -150,7 +152,8 @@ class StepBackend:
         scoring = inputs.prompt_rows is not None and inputs.prompt_targets is not None
         output = self.native_step(
             self.binding, inputs.input_ids, inputs.positions, groups, row_lora,
-            logit_rows=inputs.sample_index, keep_hidden=scoring,
+            logit_rows=inputs.sample_index, keep_hidden=scoring or keep_hidden,
+            states=inputs.state_rows,
         )  # fmt: skip
         scores = None
         if scoring:
@@ -161,7 +164,8 @@ class StepBackend:
                 inputs.prompt_targets,
                 inputs.prompt_top,
             )
-        return (output.logits if inputs.sample_index.numel() else None), scores
+        logits = output.logits if inputs.sample_index.numel() else None
+        return logits, scores, (output.hidden if keep_hidden else None)
 
     def load_native_step(self, model: LlamaForCausalLM) -> None:
         """One native call per decode step where the model and its weights allow it: block-

@@ -93,3 +93,25 @@ def build_linear_metadata(
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def native_state_rows(
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    slots: np.ndarray,
+    read_slots: np.ndarray,
+    continues: np.ndarray,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native step's state slots, one of each per token (csrc/gated_deltanet.h): the
+    slot a row's first token starts from (the zero slot at position 0, -1 where the row
+    carries on the row before it) and the slot its last token stores the state in; -1 for
+    the tokens between."""
+    num_tokens = int(query_lens.sum())
+    first_token = np.cumsum(query_lens) - query_lens
+    reads = np.full(num_tokens, -1, dtype=np.int64)
+    writes = np.full(num_tokens, -1, dtype=np.int64)
+    starting = np.where(starts == 0, ZERO_SLOT, read_slots)
+    reads[first_token] = np.where(continues, -1, starting)
+    writes[first_token + query_lens - 1] = slots
+    return _tensor(reads, device), _tensor(writes, device)

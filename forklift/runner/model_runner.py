@@ -439,7 +439,12 @@ class ModelRunner:
             if native:
                 rows = self.lora.context.rows if self.lora is not None else None
                 row_lora = rows.token_slots if rows is not None else None
-                return self.backend.forward(self.model, self.layer_caches, inputs, row_lora)
+                logits, scores, hidden = self.backend.forward(
+                    self.model, self.layer_caches, inputs, row_lora, self.keep_hidden_states
+                )
+                if hidden is not None:
+                    self.hidden_states = hidden.to(self.dtype)
+                return logits, scores
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta

@@ -22,7 +22,7 @@ from forklift.runner.attention_metadata import (
 )
 from forklift.runner.cache_tensors import CacheTensors
 from forklift.runner.decode_capture import CaptureKey, DecodeCapture
-from forklift.runner.linear_metadata import build_linear_metadata
+from forklift.runner.linear_metadata import build_linear_metadata, native_state_rows
 from forklift.runner.prompt_scores import prompt_rows_of
 
 
@@ -50,6 +50,8 @@ class StepInputs:
     prompt_top: int = 0
     # The native step's attention, one row per token, per KV group.
     row_attention: list[RowAttention] | None = None
+    # A hybrid's native step: each token's state slot read and written (-1: none).
+    state_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepInputBuilder:
@@ -127,9 +129,14 @@ class StepInputBuilder:
         # Rows verifying a hybrid's drafts read the state the row before them writes.
         continues = np.array([s.state_read_slot >= 0 for s in scheduled], dtype=bool)
         reads = np.where(continues, [s.state_read_slot for s in scheduled], slots)
+        state_rows = None
         if meta is not None:
             meta.linear = self.linear_metadata(
                 starts[:count], query_lens[:count], slots, reads, continues
+            )
+        elif self._linear is not None:
+            state_rows = native_state_rows(
+                starts[:count], query_lens[:count], slots, reads, continues, self.device
             )
         copies = np.asarray(state_copies, dtype=np.int64).reshape(-1, 2)
         block_pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
@@ -149,6 +156,7 @@ class StepInputBuilder:
                 torch.from_numpy(block_pairs).to(self.device) if block_pairs.size else None
             ),
             row_attention=row_attention,
+            state_rows=state_rows,
         )
         asked = prompt_rows_of(scheduled, ends - query_lens)
         if asked is not None:

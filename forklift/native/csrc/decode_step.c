@@ -22,6 +22,7 @@
  */
 #include "attention_tiles.h"
 #include "dense_matmul.h"
+#include "gated_deltanet.h"
 #include "quant_matmul.h"
 
 /* Rows from which the per-row work (norms, rotary and the K/V write, the gate) fans out over
@@ -73,7 +74,14 @@ typedef struct {
     const float *rope_sin;
     int64_t group;           /* the KV group whose slots, blocks and mask this layer uses */
     StepLoRA lora_qkv, lora_o, lora_gate_up, lora_down;
+    int64_t kind;            /* LAYER_ATTENTION or LAYER_LINEAR */
+    int64_t output_gate;     /* attention: q_proj also yields a gate per head (Qwen3.5) */
+    LinearLayer linear;      /* LAYER_LINEAR: qkv is in_proj, o is out_proj */
 } StepLayer;
+
+/* A layer's token mixer: paged attention, or Gated DeltaNet (gated_deltanet.h). */
+#define LAYER_ATTENTION 0
+#define LAYER_LINEAR 1
 
 /* One KV group's step metadata (see forklift_decode_step). */
 typedef struct {
@@ -97,11 +105,8 @@ typedef struct {
     int gelu;                /* the MLP gates with tanh-GELU (else SiLU) */
     QuantWeight embed_blocks; /* embed NULL: the embedding is the tied head's q8 blocks */
     int cache_format;        /* the KV cache's CACHE_* (paged_attention.h) */
+    LinearShape linear;      /* the linear layers' shape (a hybrid model) */
 } StepModel;
-
-static inline float load_value(const void *base, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
 
 /* Input i of row n of a q8 block weight (quant_matmul.h's layout): code times its block's
  * scale, exactly the file's value for a Q8_0 embedding. */
@@ -363,18 +368,30 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
         if (timings != NULL) timings[slot] += omp_get_wtime() - started_;                 \
     } while (0)
 
+static inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
+
 static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                      const int64_t *positions, const StepGroup *groups, float *logits,
                      int num_threads, double *timings, const int64_t *row_lora,
-                     const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
+                     const int64_t *logit_rows, int64_t num_logits, float *hidden_out,
+                     const int64_t *state_reads, const int64_t *state_writes) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
     const int64_t hidden = m->hidden, head_dim = m->head_dim;
     const int64_t q_size = m->heads * head_dim, kv_size = m->kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
-    const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
-                                          : (q_size > hidden ? q_size : hidden);
-    const size_t floats = (size_t)(rows * (2 * hidden + qkv_size + q_size + 3 * inter) + widest);
+    const LinearShape *shape = &m->linear;
+    const int64_t value_size = shape->value_heads * shape->value_dim;
+    const int64_t channels = 2 * shape->key_heads * shape->key_dim + value_size;
+    /* The widest first projection (a gated q_proj, a linear layer's in_proj), the widest
+     * mixer output (queries, or a linear layer's values) and the widest matmul input. */
+    int64_t projection = qkv_size;
+    for (int64_t l = 0; l < m->num_layers; l++) projection = larger(projection, m->layers[l].qkv.n);
+    const int64_t mixed = larger(q_size, channels);
+    const int64_t widest = larger(larger(inter, q_size), larger(hidden, value_size));
+    const size_t floats = (size_t)(rows * (2 * hidden + projection + mixed +
+                                           larger(q_size, value_size) + 3 * inter) +
+                                   widest);
     /* A model's weights are all dense or all blocks; dense ones need the tiles. */
     const int dense = m->head.dense;
 #if !defined(FORKLIFT_DENSE_TILES)
@@ -394,9 +411,10 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         return 1;
     }
     float *normed = residual + rows * hidden;     /* [rows, hidden] */
-    float *qkv = normed + rows * hidden;          /* [rows, q + 2 kv] */
-    float *attended = qkv + rows * qkv_size;      /* [rows, q] */
-    float *gate_up = attended + rows * q_size;    /* [rows, 2 inter] */
+    float *qkv = normed + rows * hidden;          /* [rows, the layer's first projection] */
+    float *attended = qkv + rows * projection;    /* [rows, q], or a linear layer's conv */
+    float *gated = attended + rows * mixed;       /* [rows, q] gates, or [rows, values] */
+    float *gate_up = gated + rows * larger(q_size, value_size); /* [rows, 2 inter] */
     float *activated = gate_up + rows * 2 * inter; /* [rows, inter]; rows run in parallel */
     float *rest = activated + rows * inter;       /* [widest]: precise weights' residuals */
     const int is_bf16 = m->is_bf16;
@@ -410,7 +428,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i++) {
-            float v = m->embed != NULL ? load_value(m->embed, ids[r] * hidden + i, is_bf16)
+            float v = m->embed != NULL ? dtype_value(m->embed, ids[r] * hidden + i, is_bf16)
                                        : embedding_from_blocks(&m->embed_blocks, ids[r], i);
             /* As the dense embedding held it: in the model's dtype. */
             if (m->embed == NULL && is_bf16) v = bf16_to_float(float_to_bf16(v));
@@ -430,68 +448,95 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         for (int64_t r = 0; r < rows; r++)
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
+        const int64_t width = layer->qkv.n; /* this layer's first projection */
         TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, qkv_size, rows, row_lora,
+        TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, width, rows, row_lora,
                                     qkv, num_threads));
-        const int format = m->cache_format;
-        const size_t row_bytes = cache_row_bytes(format, head_dim);
-        const size_t head_bytes = (size_t)(m->num_blocks * m->block_size) * row_bytes;
+        const float *mixer_out = qkv; /* what the output projection reads */
+        int64_t mixer_size = q_size;
+        if (layer->kind == LAYER_LINEAR) {
+            if (failed) break;
+            TIMED(1, failed |= linear_mixer(&layer->linear, shape, qkv, width, rows, state_reads,
+                                            state_writes, m->eps, is_bf16, attended, gated,
+                                            num_threads));
+            mixer_out = gated;
+            mixer_size = value_size;
+        } else {
+            const int format = m->cache_format;
+            const size_t row_bytes = cache_row_bytes(format, head_dim);
+            const size_t head_bytes = (size_t)(m->num_blocks * m->block_size) * row_bytes;
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
-        for (int64_t r = 0; r < rows; r++) {
-            float *row = qkv + r * qkv_size;
-            if (layer->qkv_bias != NULL)
-                for (int64_t i = 0; i < qkv_size; i++) row[i] += load_value(layer->qkv_bias, i, is_bf16);
-            const float *cos = layer->rope_cos + positions[r] * m->rotary_dim;
-            const float *sin = layer->rope_sin + positions[r] * m->rotary_dim;
-            for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
-                float *head = row + h * head_dim;
-                const void *norm = h < m->heads ? layer->q_norm : layer->k_norm;
-                if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, offset, head);
-                rotate(head, cos, sin, m->rotary_dim);
-            }
-            /* A coded cache holds K and V rotated; queries are rotated alike. */
-            if (cache_rotates(format, head_dim))
-                for (int64_t h = 0; h < m->heads + 2 * m->kv_heads; h++)
-                    hadamard_rotate(row + h * head_dim, head_dim);
-            /* The new K and V into their cache slot, head by head. */
-            for (int64_t h = 0; h < m->kv_heads; h++) {
-                const float *k = row + q_size + h * head_dim;
-                const float *v = row + q_size + kv_size + h * head_dim;
-                const size_t at = (size_t)h * head_bytes + (size_t)slots[r] * row_bytes;
-                char *k_dst = (char *)layer->key_cache + at;
-                char *v_dst = (char *)layer->value_cache + at;
-                if (cache_coded(format)) {
-                    quantize_cache_row(k, head_dim, k_dst, format);
-                    quantize_cache_row(v, head_dim, v_dst, format);
-                    continue;
+            for (int64_t r = 0; r < rows; r++) {
+                float *row = qkv + r * width;
+                if (layer->qkv_bias != NULL)
+                    for (int64_t i = 0; i < width; i++) row[i] += dtype_value(layer->qkv_bias, i, is_bf16);
+                if (layer->output_gate) { /* per head: queries, then as many gate values */
+                    for (int64_t h = 0; h < m->heads; h++) {
+                        memcpy(gated + r * q_size + h * head_dim, row + (2 * h + 1) * head_dim,
+                               sizeof(float) * (size_t)head_dim);
+                        memmove(row + h * head_dim, row + 2 * h * head_dim,
+                                sizeof(float) * (size_t)head_dim);
+                    }
+                    memmove(row + q_size, row + 2 * q_size, sizeof(float) * (size_t)(2 * kv_size));
                 }
-                for (int64_t i = 0; i < head_dim; i++) {
-                    store_value(k_dst, i, k[i], format == CACHE_BF16);
-                    store_value(v_dst, i, v[i], format == CACHE_BF16);
+                const float *cos = layer->rope_cos + positions[r] * m->rotary_dim;
+                const float *sin = layer->rope_sin + positions[r] * m->rotary_dim;
+                for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
+                    float *head = row + h * head_dim;
+                    const void *norm = h < m->heads ? layer->q_norm : layer->k_norm;
+                    if (norm != NULL) rms_norm(head, norm, head_dim, m->eps, is_bf16, offset, head);
+                    rotate(head, cos, sin, m->rotary_dim);
                 }
+                /* A coded cache holds K and V rotated; queries are rotated alike. */
+                if (cache_rotates(format, head_dim))
+                    for (int64_t h = 0; h < m->heads + 2 * m->kv_heads; h++)
+                        hadamard_rotate(row + h * head_dim, head_dim);
+                /* The new K and V into their cache slot, head by head. */
+                for (int64_t h = 0; h < m->kv_heads; h++) {
+                    const float *k = row + q_size + h * head_dim;
+                    const float *v = row + q_size + kv_size + h * head_dim;
+                    const size_t at = (size_t)h * head_bytes + (size_t)slots[r] * row_bytes;
+                    char *k_dst = (char *)layer->key_cache + at;
+                    char *v_dst = (char *)layer->value_cache + at;
+                    if (cache_coded(format)) {
+                        quantize_cache_row(k, head_dim, k_dst, format);
+                        quantize_cache_row(v, head_dim, v_dst, format);
+                        continue;
+                    }
+                    for (int64_t i = 0; i < head_dim; i++) {
+                        store_value(k_dst, i, k[i], format == CACHE_BF16);
+                        store_value(v_dst, i, v[i], format == CACHE_BF16);
+                    }
+                }
+                /* Queries packed [rows, heads, head_dim] for the attention kernel. */
+                memcpy(attended + r * q_size, row, sizeof(float) * (size_t)q_size);
             }
-            /* Queries packed [rows, heads, head_dim] for the attention kernel. */
-            memcpy(attended + r * q_size, row, sizeof(float) * (size_t)q_size);
-        }
-        /* attended holds the queries; attention reads them and writes into qkv's room. */
-        float *context = qkv;
-        TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
-        if (cache_rotates(format, head_dim)) { /* the attended values back from the rotation */
+            /* attended holds the queries; attention reads them and writes into qkv's room. */
+            float *context = qkv;
+            TIMED(1, attention(m, layer, attended, rows, group, context, num_threads, &failed));
+            if (cache_rotates(format, head_dim)) { /* the attended values back from the rotation */
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t h = 0; h < m->heads; h++)
-                    hadamard_rotate(context + (r * m->heads + h) * head_dim, head_dim);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t h = 0; h < m->heads; h++)
+                        hadamard_rotate(context + (r * m->heads + h) * head_dim, head_dim);
+            }
+            if (layer->output_gate) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t i = 0; i < q_size; i++)
+                        context[r * q_size + i] *= sigmoid1(gated[r * q_size + i]);
+            }
         }
-        TIMED(0, step_matmul(&layer->o, context, rows, views, rest, dense_x, normed,
+        TIMED(0, step_matmul(&layer->o, mixer_out, rows, views, rest, dense_x, normed,
                              num_threads));
-        TIMED(0, failed |= lora_add(&layer->lora_o, context, q_size, hidden, rows, row_lora,
-                                    normed, num_threads));
+        TIMED(0, failed |= lora_add(&layer->lora_o, mixer_out, mixer_size, hidden, rows,
+                                    row_lora, normed, num_threads));
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             float *out = normed + r * hidden;
             if (layer->o_bias != NULL)
-                for (int64_t i = 0; i < hidden; i++) out[i] += load_value(layer->o_bias, i, is_bf16);
+                for (int64_t i = 0; i < hidden; i++) out[i] += dtype_value(layer->o_bias, i, is_bf16);
             if (layer->attn_out_norm != NULL)
                 rms_norm(out, layer->attn_out_norm, hidden, m->eps, is_bf16, offset, out);
             for (int64_t i = 0; i < hidden; i++) residual[r * hidden + i] += out[i];
@@ -566,15 +611,42 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
  * (ascending), and where `hidden_out` is given every row's final normed hidden state
  * [rows, hidden] float32. A row's results never depend on the other rows: every operation
  * computes a row alone, or (the matmuls, attention) in one fixed order per row whoever
- * shares its tiles. Returns 0, 1 when scratch memory ran out, 2 for dense weights in a
- * build without AMX tiles. */
+ * shares its tiles. A hybrid model's linear layers read each row's state_reads and
+ * state_writes (gated_deltanet.h; NULL for a model without them). Returns 0, 1 when
+ * scratch memory ran out, 2 for dense weights in a build without AMX tiles, 3 for a first
+ * row that carries on a row before the step. */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
                          int num_threads, double *timings, const int64_t *row_lora,
-                         const int64_t *logit_rows, int64_t num_logits, float *hidden_out) {
+                         const int64_t *logit_rows, int64_t num_logits, float *hidden_out,
+                         const int64_t *state_reads, const int64_t *state_writes) {
     int64_t num_groups = 1;
     for (int64_t l = 0; l < m->num_layers; l++)
         if (m->layers[l].group + 1 > num_groups) num_groups = m->layers[l].group + 1;
+    int64_t *reads = NULL, *writes = NULL;
+    if (state_reads != NULL) {
+        if (state_reads[0] < 0) return 3;
+        reads = malloc(sizeof(int64_t) * (size_t)(2 * rows));
+        if (reads == NULL) return 1;
+        writes = reads + rows;
+        memcpy(reads, state_reads, sizeof(int64_t) * (size_t)rows);
+        memcpy(writes, state_writes, sizeof(int64_t) * (size_t)rows);
+        /* A chain cut by a chunk boundary: the row before it stores the state in the slot
+         * its chain ends in, and the chunk's first row starts from there. */
+        for (int64_t first = STEP_CHUNK_ROWS; first < rows; first += STEP_CHUNK_ROWS) {
+            if (reads[first] >= 0) continue;
+            int64_t end = first; /* the chain's next row that stores its state */
+            while (end < rows && writes[end] < 0 && (end == first || reads[end] < 0)) end++;
+            const int stored = end < rows && (end == first || reads[end] < 0);
+            if (writes[first - 1] < 0) writes[first - 1] = stored ? writes[end] : -1;
+            reads[first] = writes[first - 1];
+            if (reads[first] < 0) {
+                free(reads);
+                return 3;
+            }
+        }
+    }
+    int failed = 0;
     int64_t done_logits = 0;
     for (int64_t first = 0; first < rows; first += STEP_CHUNK_ROWS) {
         const int64_t count = rows - first < STEP_CHUNK_ROWS ? rows - first : STEP_CHUNK_ROWS;
@@ -594,13 +666,15 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
         int64_t local_rows[chunk_logits > 0 ? chunk_logits : 1];
         for (int64_t i = 0; i < chunk_logits; i++)
             local_rows[i] = logit_rows[done_logits + i] - first;
-        const int failed = step_rows(
-            m, count, ids + first, positions + first, chunk_groups,
-            logits + done_logits * m->vocab, num_threads, timings,
-            row_lora == NULL ? NULL : row_lora + first, local_rows, chunk_logits,
-            hidden_out == NULL ? NULL : hidden_out + first * m->hidden);
-        if (failed) return failed;
+        failed = step_rows(m, count, ids + first, positions + first, chunk_groups,
+                           logits + done_logits * m->vocab, num_threads, timings,
+                           row_lora == NULL ? NULL : row_lora + first, local_rows, chunk_logits,
+                           hidden_out == NULL ? NULL : hidden_out + first * m->hidden,
+                           reads == NULL ? NULL : reads + first,
+                           writes == NULL ? NULL : writes + first);
+        if (failed) break;
         done_logits += chunk_logits;
     }
-    return 0;
+    free(reads);
+    return failed;
 }
