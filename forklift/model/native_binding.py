@@ -350,9 +350,23 @@ def native_step_peak_bytes(
     sorted copies of them."""
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    widest = max(hidden, inter, q_size)
+    gate = 2 if config.attention_output_gate else 1
+    # The first projection's rows, the mixer's scratch and output (csrc/decode_step.c).
+    projection, mixed, values, recurrent = gate * q_size + 2 * kv_size, q_size, q_size, 0
+    linear = config.linear_attention if config.is_hybrid else None
+    if linear is not None:
+        channels = linear.conv_channels
+        projection = max(projection, channels + linear.value_size + 2 * linear.num_value_heads)
+        mixed, values = max(q_size, channels), max(q_size, linear.value_size)
+        # A head's state and vectors per thread (csrc/gated_deltanet.h's scratch).
+        head = linear.key_head_dim * linear.value_head_dim
+        recurrent = (
+            4 * (os.cpu_count() or 1) * (head + 2 * (linear.key_head_dim + linear.value_head_dim))
+        )
+    widest = max(hidden, inter, q_size, values)
     chunk = min(rows, _STEP_CHUNK_ROWS)
-    activations = 4 * (chunk * (2 * hidden + q_size + 2 * kv_size + q_size + 3 * inter) + widest)
+    activations = 4 * (chunk * (2 * hidden + projection + mixed + values + 3 * inter) + widest)
+    activations += recurrent + 4 * chunk * mixed  # (and a chunk's convolution outputs)
     int8_rows = 2 * chunk * (widest + 12 * widest // 32 + 32)
     group = config.num_heads // config.num_kv_heads
     scores = 4 * _PIECE_MAX_ROWS * group * max_context * (os.cpu_count() or 1)

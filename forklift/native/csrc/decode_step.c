@@ -678,3 +678,19 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     free(reads);
     return failed;
 }
+
+/* Gated DeltaNet's mixer alone, on a projection's rows (tests hold it to the PyTorch
+ * layers in fp32). Returns 0, or 1 when scratch memory ran out. */
+int forklift_linear_mixer(const LinearLayer *layer, const LinearShape *shape,
+                          const float *projection, int64_t stride, int64_t rows,
+                          const int64_t *reads, const int64_t *writes, float eps, int is_bf16,
+                          float *out, int num_threads) {
+    const int64_t channels = 2 * shape->key_heads * shape->key_dim +
+                             shape->value_heads * shape->value_dim;
+    float *conv = malloc(sizeof(float) * (size_t)(rows * channels));
+    if (conv == NULL) return 1;
+    const int failed = linear_mixer(layer, shape, projection, stride, rows, reads, writes, eps,
+                                    is_bf16, conv, out, num_threads);
+    free(conv);
+    return failed;
+}
