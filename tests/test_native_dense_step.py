@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model, save_with_weight
+from tiny_models import make_tiny_hybrid, make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
 from forklift.model.native_binding import DENSE_STEP_MAX_ROWS
@@ -58,8 +58,12 @@ def test_weights_packed_in_one_buffer_equal_each_packed_alone():
 
 def _bf16_checkpoint(arch: str, directory) -> None:
     """A tiny model whose stored weights are bf16 values, so an fp32 engine reads exactly the
-    weights the bf16 engines compute with."""
-    make_tiny_model(arch, directory)
+    weights the bf16 engines compute with. "hybrid": a Qwen3.5 hybrid (Gated DeltaNet
+    layers beside gated attention)."""
+    if arch == "hybrid":
+        make_tiny_hybrid("interval", directory, linear_value_head_dim=8)
+    else:
+        make_tiny_model(arch, directory)
     for path in directory.glob("*.safetensors"):
         tensors = load_file(path)
         save_file({name: t.bfloat16().float() for name, t in tensors.items()}, path,
@@ -90,7 +94,7 @@ def _deviations(got, want) -> list[float]:
     return sorted(deviations)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "hybrid"])
 def test_dense_step_is_as_close_to_fp32_as_the_pytorch_bf16_layers(tmp_path, arch):
     _bf16_checkpoint(arch, tmp_path)
     native = _engine(tmp_path)
@@ -107,7 +111,7 @@ def test_dense_step_is_as_close_to_fp32_as_the_pytorch_bf16_layers(tmp_path, arc
     middle, high = len(ours) // 2, len(ours) * 9 // 10
     assert ours[middle] <= 1.2 * theirs[len(theirs) // 2] + 1e-3, (ours[middle], theirs)
     assert ours[high] <= 1.2 * theirs[len(theirs) * 9 // 10] + 1e-3, (ours[high], theirs)
-    assert ours[-1] < 0.5
+    assert ours[-1] < max(0.5, 1.5 * theirs[-1]), (ours[-1], theirs[-1])
 
 
 def test_dense_step_follows_weight_updates(tmp_path):
