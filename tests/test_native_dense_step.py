@@ -111,7 +111,10 @@ def test_dense_step_is_as_close_to_fp32_as_the_pytorch_bf16_layers(tmp_path, arc
     middle, high = len(ours) // 2, len(ours) * 9 // 10
     assert ours[middle] <= 1.2 * theirs[len(theirs) // 2] + 1e-3, (ours[middle], theirs)
     assert ours[high] <= 1.2 * theirs[len(theirs) * 9 // 10] + 1e-3, (ours[high], theirs)
-    assert ours[-1] < max(0.5, 1.5 * theirs[-1]), (ours[-1], theirs[-1])
+    # A hybrid's recurrent state carries each rounding into every later token: its bound is
+    # the PyTorch bf16 layers' own worst step.
+    bound = max(0.5, 1.5 * theirs[-1]) if arch == "hybrid" else 0.5
+    assert ours[-1] < bound, (ours[-1], theirs[-1])
 
 
 def test_dense_step_follows_weight_updates(tmp_path):

@@ -12,6 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from test_native_dense_step import _bf16_checkpoint, _deviations
 from test_spec_decode_engine import OracleProposer, sequences
 from tiny_models import add_mtp_layer, make_tiny_hybrid
 
@@ -91,6 +92,22 @@ def test_the_native_step_gives_the_pytorch_layers_tokens(hybrid):
     assert steps >= GREEDY.max_tokens and reference.llm_engine.runner.native_steps == 0
 
 
+def test_in_bf16_the_native_step_is_as_close_to_fp32_as_the_pytorch_layers(tmp_path):
+    """The native step keeps activations in fp32 between operations where the PyTorch
+    layers round each to bf16, so the two bf16 paths part after a few tokens; the native
+    one stays at least as close to fp32 on the same blocks."""
+    _bf16_checkpoint("hybrid", tmp_path)
+    prompts = [_prompt(3 + 5 * i, salt=i) for i in range(12)]
+    reference = _outputs(_engine(tmp_path), prompts)
+    native = _engine(tmp_path, dtype="bfloat16")
+    torch_bf16 = _engine(tmp_path, dtype="bfloat16")
+    torch_bf16.llm_engine.runner.native_step = None
+    ours = _deviations(_outputs(native, prompts), reference)
+    theirs = _deviations(_outputs(torch_bf16, prompts), reference)
+    assert native.llm_engine.runner.native_steps >= GREEDY.max_tokens
+    assert ours[len(ours) // 2] <= 1.2 * theirs[len(theirs) // 2] + 1e-3, (ours, theirs)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_requests_bits_do_not_depend_on_its_batch_or_chunks(hybrid, params):
     prompt = _prompt(300)  # past one native call's 256-row chunk
@@ -151,6 +168,18 @@ def test_rows_verifying_drafts_give_the_same_bits(hybrid):
     assert llm.llm_engine.runner.native_steps > 0
 
 
+def _first_mtp_inputs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The hidden states the MTP drafter is first handed for a prompt (its catch-up)."""
+    proposer = llm.llm_engine.proposer
+    seen = []
+    forward = proposer._forward
+    proposer._forward = lambda chunks, hidden: (
+        seen.append(hidden.clone()) or forward(chunks, hidden)
+    )
+    _outputs(llm, [prompt])
+    return seen[0]
+
+
 def test_mtp_drafts_read_the_native_steps_hidden_states(tmp_path):
     tiny = make_tiny_hybrid("interval", tmp_path, **VARIANTS["interval"])
     add_mtp_layer(tiny)
@@ -162,6 +191,15 @@ def test_mtp_drafts_read_the_native_steps_hidden_states(tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert llm.llm_engine.runner.native_steps > 0
     assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    # The drafter reads the rows the PyTorch layers would hand it (same rows, same values
+    # but for rounding): unnormed or misaligned rows would not match.
+    reference = _engine(tmp_path, speculative_config=mtp)
+    reference.llm_engine.runner.native_step = None
+    prompt = _prompt(21, salt=7)
+    ours, theirs = _first_mtp_inputs(llm, prompt), _first_mtp_inputs(reference, prompt)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)
+    assert (ours - theirs).abs().mean() < 1e-3
 
 
 def _mixer_inputs(seed: int):
@@ -205,6 +243,7 @@ def test_the_native_mixer_equals_the_pytorch_layer_in_fp32():
     reads, writes = native_state_rows(*args, rows["reads"], rows["continues"], torch.device("cpu"))
     with torch.no_grad():
         conv_ref, recurrent_ref = conv.clone(), recurrent.clone()
+        before = recurrent.clone()
         expected = layer(x, conv_ref, recurrent_ref, meta)
         projection = layer.in_proj(x).contiguous()
         out = torch.empty(x.shape[0], shape.value_size)
@@ -227,4 +266,5 @@ def test_the_native_mixer_equals_the_pytorch_layer_in_fp32():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(recurrent, recurrent_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)
-    assert not torch.equal(recurrent[6], recurrent_ref[0])  # the verifying rows wrote theirs
+    assert not torch.equal(recurrent[6], before[6])  # the last verifying row wrote its slot
+    assert torch.equal(recurrent[4], before[4]) and torch.equal(recurrent[7], before[7])

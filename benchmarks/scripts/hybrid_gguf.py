@@ -103,10 +103,11 @@ def main() -> None:
     peer = llama_bench(args.llama_cpp / "build" / "bin" / "llama-bench", args.model)
     print("llama-bench", peer, flush=True)
     size = args.model.stat().st_size / 2**30
+    quant = args.model.name.split(".")[-2]
     rows = [("prefill tok/s (512-token prompt)", "prefill_tok_s"),
             (f"decode tok/s (64 tokens after {DEPTH})", "decode_tok_s")]  # fmt: skip
     lines = [
-        "# The native hybrid step on a Qwen3.5-0.8B-shaped Q4_K_M file",
+        f"# The native hybrid step on a Qwen3.5-0.8B-shaped {quant} file",
         "",
         f"File: {args.model.name}, {size:.2f} GiB (random weights, Qwen3.5-0.8B's text shapes; "
         "benchmarks/scripts/make_hybrid_gguf.py). Every engine on 2 threads, one stream. "
@@ -130,7 +131,7 @@ def main() -> None:
     command = command_line(__file__, "--model", model, "--llama-cpp", "LLAMA_CPP_DIR",
                            "--baseline", args.baseline)  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "hybrid-native-step-" + args.model.name.split(".")[-2].lower().replace("_", "-")
+    stem = "hybrid-native-step-" + quant.lower().replace("_", "-")
     write_results(args.out_dir, stem, report, lines, command)
 
 

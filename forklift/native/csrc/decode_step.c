@@ -614,7 +614,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
  * shares its tiles. A hybrid model's linear layers read each row's state_reads and
  * state_writes (gated_deltanet.h; NULL for a model without them). Returns 0, 1 when
  * scratch memory ran out, 2 for dense weights in a build without AMX tiles, 3 for a first
- * row that carries on a row before the step. */
+ * row that carries on a row before the step (or a hybrid's rows without state slots). */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
                          int num_threads, double *timings, const int64_t *row_lora,
@@ -624,6 +624,7 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     for (int64_t l = 0; l < m->num_layers; l++)
         if (m->layers[l].group + 1 > num_groups) num_groups = m->layers[l].group + 1;
     int64_t *reads = NULL, *writes = NULL;
+    if (m->linear.value_heads > 0 && state_reads == NULL) return 3;
     if (state_reads != NULL) {
         if (state_reads[0] < 0) return 3;
         reads = malloc(sizeof(int64_t) * (size_t)(2 * rows));
@@ -680,13 +681,15 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
 }
 
 /* Gated DeltaNet's mixer alone, on a projection's rows (tests hold it to the PyTorch
- * layers in fp32). Returns 0, or 1 when scratch memory ran out. */
+ * layers in fp32). Returns 0, 1 when scratch memory ran out, 3 for a first row that
+ * carries on a row before it. */
 int forklift_linear_mixer(const LinearLayer *layer, const LinearShape *shape,
                           const float *projection, int64_t stride, int64_t rows,
                           const int64_t *reads, const int64_t *writes, float eps, int is_bf16,
                           float *out, int num_threads) {
     const int64_t channels = 2 * shape->key_heads * shape->key_dim +
                              shape->value_heads * shape->value_dim;
+    if (rows < 1 || reads[0] < 0) return 3;
     float *conv = malloc(sizeof(float) * (size_t)(rows * channels));
     if (conv == NULL) return 1;
     const int failed = linear_mixer(layer, shape, projection, stride, rows, reads, writes, eps,
