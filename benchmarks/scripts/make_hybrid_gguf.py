@@ -18,13 +18,11 @@ end) and 8 GB of memory.
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import transformers
+from random_gguf import make_random_gguf
 
 SHAPES = dict(
     vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
@@ -38,8 +36,10 @@ SHAPES = dict(
 QUANTS = ("Q4_K_M", "Q8_0")
 
 
-def random_model(directory: Path, bos: int, eos: int) -> None:
-    """The HF directory: random bf16 weights of a scale that keeps activations finite."""
+def random_model(directory: Path, vocab_size: int, bos: int, eos: int) -> None:
+    """The HF directory: random bf16 weights of a scale that keeps activations finite, at
+    the model's own vocabulary size (the converter pads the tokenizer's to it)."""
+    del vocab_size
     config = transformers.Qwen3_5TextConfig(
         **SHAPES, bos_token_id=bos, eos_token_id=eos, initializer_range=0.02,
         torch_dtype="bfloat16",
@@ -55,25 +55,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="build_llama_cpp.sh's dir")
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args()
-    work = args.out_dir / "hybrid-work"
-    hf_dir, bf16_gguf = work / "hf", work / "model.bf16.gguf"
-    work.mkdir(parents=True, exist_ok=True)
-    if not (hf_dir / "model.safetensors").exists():  # (kept from an interrupted run)
-        forklift = Path(sys.executable).with_name("forklift")
-        subprocess.run([str(forklift), "tokenizer", "export", str(hf_dir)], check=True)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-        random_model(hf_dir, tokenizer.bos_token_id or 0, tokenizer.eos_token_id)
-    converter = next(
-        args.llama_cpp.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py")
-    )
-    subprocess.run([sys.executable, str(converter), str(hf_dir), "--outtype", "bf16",
-                    "--no-mtp", "--outfile", str(bf16_gguf)], check=True)  # fmt: skip
-    quantize = args.llama_cpp / "build" / "bin" / "llama-quantize"
-    for quant in QUANTS:
-        out = args.out_dir / f"qwen35-0.8b-random.{quant}.gguf"
-        subprocess.run([str(quantize), str(bf16_gguf), str(out), quant], check=True)
-        print(out, f"{out.stat().st_size / 2**30:.2f} GiB")
-    shutil.rmtree(work)
+    outputs = {kind: args.out_dir / f"qwen35-0.8b-random.{kind}.gguf" for kind in QUANTS}
+    make_random_gguf(args.llama_cpp, args.out_dir / "hybrid-work", random_model, outputs,
+                     ["--no-mtp"])  # fmt: skip
 
 
 if __name__ == "__main__":

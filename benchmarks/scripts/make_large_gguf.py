@@ -17,13 +17,11 @@ free disk while it runs (the bf16 directory and the bf16 GGUF are removed at the
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import transformers
+from random_gguf import make_random_gguf
 
 SHAPES = dict(
     hidden_size=3072,
@@ -55,23 +53,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="build_llama_cpp.sh's dir")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    work = args.out.parent / "large-work"
-    hf_dir, bf16_gguf = work / "hf", work / "model.bf16.gguf"
-    work.mkdir(parents=True, exist_ok=True)
-    if not (hf_dir / "model.safetensors").exists():  # (kept from an interrupted run)
-        forklift = Path(sys.executable).with_name("forklift")
-        subprocess.run([str(forklift), "tokenizer", "export", str(hf_dir)], check=True)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-        random_model(hf_dir, len(tokenizer), tokenizer.bos_token_id or 0, tokenizer.eos_token_id)
-    converter = next(
-        args.llama_cpp.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py")
-    )
-    subprocess.run([sys.executable, str(converter), str(hf_dir), "--outtype", "bf16",
-                    "--outfile", str(bf16_gguf)], check=True)  # fmt: skip
-    quantize = args.llama_cpp / "build" / "bin" / "llama-quantize"
-    subprocess.run([str(quantize), str(bf16_gguf), str(args.out), "Q4_K_M"], check=True)
-    shutil.rmtree(work)
-    print(args.out, f"{args.out.stat().st_size / 2**30:.2f} GiB")
+    make_random_gguf(args.llama_cpp, args.out.parent / "large-work", random_model,
+                     {"Q4_K_M": args.out})  # fmt: skip
 
 
 if __name__ == "__main__":
