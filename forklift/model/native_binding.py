@@ -352,21 +352,20 @@ def native_step_peak_bytes(
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
     gate = 2 if config.attention_output_gate else 1
     # The first projection's rows, the mixer's scratch and output (csrc/decode_step.c).
-    projection, mixed, values, recurrent = gate * q_size + 2 * kv_size, q_size, q_size, 0
+    projection, mixed, values, linear_scratch = gate * q_size + 2 * kv_size, q_size, q_size, 0
+    chunk = min(rows, _STEP_CHUNK_ROWS)
     linear = config.linear_attention if config.is_hybrid else None
     if linear is not None:
         channels = linear.conv_channels
         projection = max(projection, channels + linear.value_size + 2 * linear.num_value_heads)
         mixed, values = max(q_size, channels), max(q_size, linear.value_size)
-        # A head's state and vectors per thread (csrc/gated_deltanet.h's scratch).
-        head = linear.key_head_dim * linear.value_head_dim
-        recurrent = (
-            4 * (os.cpu_count() or 1) * (head + 2 * (linear.key_head_dim + linear.value_head_dim))
-        )
+        # csrc/gated_deltanet.h's scratch: a head's state and vectors per thread, and two ints
+        # per row for the chains (the convolution's outputs are `mixed`).
+        dk, dv = linear.key_head_dim, linear.value_head_dim
+        linear_scratch = 4 * (os.cpu_count() or 1) * (dk * dv + 2 * (dk + dv)) + 16 * chunk
     widest = max(hidden, inter, q_size, values)
-    chunk = min(rows, _STEP_CHUNK_ROWS)
     activations = 4 * (chunk * (2 * hidden + projection + mixed + values + 3 * inter) + widest)
-    activations += recurrent + 4 * chunk * mixed  # (and a chunk's convolution outputs)
+    activations += linear_scratch
     int8_rows = 2 * chunk * (widest + 12 * widest // 32 + 32)
     group = config.num_heads // config.num_kv_heads
     scores = 4 * _PIECE_MAX_ROWS * group * max_context * (os.cpu_count() or 1)

@@ -45,6 +45,18 @@ static inline uint16_t float_to_bf16(float x) {
     return (uint16_t)(v.u >> 16);
 }
 
+/* Value i of a tensor in the model's dtype: bf16, or fp32. */
+static inline float dtype_value(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_value(void *base, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((uint16_t *)base)[i] = float_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
 #if defined(__AVX512BF16__)
 /* n floats rounded to bf16 (nearest even), 32 a vector instruction, the rest one by one. */
 static inline void round_to_bf16(const float *src, int64_t n, uint16_t *dst) {

@@ -117,13 +117,6 @@ static inline float embedding_from_blocks(const QuantWeight *w, int64_t n, int64
     return (float)code * fp16_to_float(w->d[(g * blocks + b) * 8 + lane]);
 }
 
-static inline void store_value(void *base, int64_t i, float v, int is_bf16) {
-    if (is_bf16)
-        ((uint16_t *)base)[i] = float_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
 /* out = x / rms(x) * (offset + w) over n values. The squares sum in vector lanes (one
  * running sum is a chain of n dependent adds: an RL rollout's 64 rows spent about a
  * millisecond a step on it), and each dtype's loop vectorises on its own. */
@@ -149,11 +142,6 @@ static inline lane_vector sigmoid_lanes(lane_vector z) {
     const lane_vector numerator =
         (lane_vector)(((lane_int_vector)e & negative) | ((lane_int_vector)one & ~negative));
     return numerator / (one + e);
-}
-
-static inline float sigmoid1(float z) {
-    const float e = exp_nonpositive(-fabsf(z));
-    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
 /* act = silu(gate) * up = gate * sigmoid(gate) * up over n values. `act` may be `gate`. */
@@ -370,6 +358,29 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
 
 static inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* A Gated DeltaNet layer between its projections: the mixer (gated_deltanet.h), then the
+ * gated output norm per value head, rms_norm(o) * w * silu(z), z the projection's gate
+ * values after the convolution's inputs. Returns 1 when scratch could not be allocated. */
+static int gated_deltanet(const LinearLayer *layer, const LinearShape *s,
+                          const float *projection, int64_t stride, int64_t rows,
+                          const int64_t *reads, const int64_t *writes, float eps, int is_bf16,
+                          float *conv_out, float *out, int num_threads) {
+    if (linear_mixer(layer, s, projection, stride, rows, reads, writes, is_bf16, conv_out, out,
+                     num_threads))
+        return 1;
+    const int64_t dv = s->value_dim, heads = s->value_heads;
+    const int64_t channels = 2 * s->key_heads * s->key_dim + heads * dv;
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *o = out + (r * heads + h) * dv;
+            const float *z = projection + r * stride + channels + h * dv;
+            rms_norm(o, layer->norm, dv, eps, is_bf16, 0.0f, o);
+            for (int64_t j = 0; j < dv; j++) o[j] *= z[j] * sigmoid1(z[j]);
+        }
+    return 0;
+}
+
 static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                      const int64_t *positions, const StepGroup *groups, float *logits,
                      int num_threads, double *timings, const int64_t *row_lora,
@@ -457,9 +468,9 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
         int64_t mixer_size = q_size;
         if (layer->kind == LAYER_LINEAR) {
             if (failed) break;
-            TIMED(1, failed |= linear_mixer(&layer->linear, shape, qkv, width, rows, state_reads,
-                                            state_writes, m->eps, is_bf16, attended, gated,
-                                            num_threads));
+            TIMED(1, failed |= gated_deltanet(&layer->linear, shape, qkv, width, rows,
+                                              state_reads, state_writes, m->eps, is_bf16,
+                                              attended, gated, num_threads));
             mixer_out = gated;
             mixer_size = value_size;
         } else {
@@ -680,9 +691,9 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
     return failed;
 }
 
-/* Gated DeltaNet's mixer alone, on a projection's rows (tests hold it to the PyTorch
- * layers in fp32). Returns 0, 1 when scratch memory ran out, 3 for a first row that
- * carries on a row before it. */
+/* A Gated DeltaNet layer between its projections alone, on a projection's rows (tests
+ * hold it to the PyTorch layer in fp32). Returns 0, 1 when scratch memory ran out, 3 for
+ * a first row that carries on a row before it. */
 int forklift_linear_mixer(const LinearLayer *layer, const LinearShape *shape,
                           const float *projection, int64_t stride, int64_t rows,
                           const int64_t *reads, const int64_t *writes, float eps, int is_bf16,
@@ -692,8 +703,8 @@ int forklift_linear_mixer(const LinearLayer *layer, const LinearShape *shape,
     if (rows < 1 || reads[0] < 0) return 3;
     float *conv = malloc(sizeof(float) * (size_t)(rows * channels));
     if (conv == NULL) return 1;
-    const int failed = linear_mixer(layer, shape, projection, stride, rows, reads, writes, eps,
-                                    is_bf16, conv, out, num_threads);
+    const int failed = gated_deltanet(layer, shape, projection, stride, rows, reads, writes,
+                                      eps, is_bf16, conv, out, num_threads);
     free(conv);
     return failed;
 }

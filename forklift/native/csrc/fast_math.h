@@ -5,6 +5,7 @@
 #ifndef FORKLIFT_FAST_MATH_H
 #define FORKLIFT_FAST_MATH_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -36,6 +37,13 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 5.0e-1f;
     p = p * r * r + r + 1.0f;
     return p * float_from_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
+/* sigmoid(z) with exp taken of -|z| only (no overflow): 1 / (1 + e) for z >= 0,
+ * e / (1 + e) below, e = exp(-|z|). */
+static inline float sigmoid1(float z) {
+    const float e = exp_nonpositive(-fabsf(z));
+    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
 /* log(x) for a normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)), and

@@ -1,6 +1,6 @@
 /* Gated DeltaNet's token mixer (Qwen3.5's linear-attention layers) on the native step's
- * rows: the short causal convolution, the gated delta rule and the gated output norm,
- * between the layer's input and output projections (which decode_step.c runs).
+ * rows: the short causal convolution and the gated delta rule, between the layer's input
+ * projection and its gated output norm (which decode_step.c runs, with the projections).
  *
  * Every token runs the recurrent form, prompt chunks included: a token's state, output and
  * convolution are then the same bits whether it was computed in a prefill chunk, as a
@@ -35,15 +35,6 @@ typedef struct {
     float *recurrent_states;  /* [slots, value_heads, key_dim, value_dim] */
 } LinearLayer;
 
-static inline float dtype_value(const void *base, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline float silu1(float z) {
-    const float e = exp_nonpositive(-fabsf(z));
-    return z * (z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
-}
-
 /* log(1 + exp(x)), as torch's softplus (linear above 20). */
 static inline float softplus1(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -69,13 +60,12 @@ static int64_t linear_chains(const int64_t *reads, int64_t rows, int64_t *first,
  * of `mixed` (row stride `stride`), into out [rows, channels]. Each task takes a chain and
  * a block of channels; the window slides token by token through the chain. */
 static void short_conv(const LinearLayer *layer, const float *mixed, int64_t stride,
-                       int64_t rows, int64_t channels, int64_t kernel, const int64_t *reads,
+                       int64_t channels, int64_t kernel, const int64_t *reads,
                        const int64_t *writes, const int64_t *chain_first,
                        const int64_t *chain_length, int64_t chains, int is_bf16, float *out,
                        int num_threads) {
     const int64_t history = kernel - 1, blocks = (channels + CONV_CHANNEL_BLOCK - 1) / CONV_CHANNEL_BLOCK;
     const int64_t slot_size = history * channels;
-    (void)rows;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (chains * blocks > 1)
     for (int64_t task = 0; task < chains * blocks; task++) {
         const int64_t chain = task / blocks, c0 = (task % blocks) * CONV_CHANNEL_BLOCK;
@@ -99,17 +89,13 @@ static void short_conv(const LinearLayer *layer, const float *mixed, int64_t str
                 sum += dtype_value(layer->conv_weight, channel * kernel + history, is_bf16) * x;
                 for (int64_t j = 0; j + 1 < history; j++) window[j][c] = window[j + 1][c];
                 if (history > 0) window[history - 1][c] = x;
-                out[t * channels + channel] = silu1(sum);
+                out[t * channels + channel] = sum * sigmoid1(sum);
             }
             if (writes[t] < 0) continue;
             for (int64_t j = 0; j < history; j++)
-                for (int64_t c = 0; c < width; c++) {
-                    const int64_t at = writes[t] * slot_size + j * channels + c0 + c;
-                    if (is_bf16)
-                        ((uint16_t *)layer->conv_states)[at] = float_to_bf16(window[j][c]);
-                    else
-                        ((float *)layer->conv_states)[at] = window[j][c];
-                }
+                for (int64_t c = 0; c < width; c++)
+                    store_value(layer->conv_states, writes[t] * slot_size + j * channels + c0 + c,
+                                window[j][c], is_bf16);
         }
     }
 }
@@ -158,9 +144,7 @@ static int delta_rule(const LinearLayer *layer, const LinearShape *s, const floa
             l2_normalise(row + key_head * dk, dk, q_scale, q);
             l2_normalise(row + key_size + key_head * dk, dk, 1.0f, k);
             const float *p = projection + t * stride;
-            const float b = p[beta_at + h];
-            const float beta = b >= 0.0f ? 1.0f / (1.0f + exp_nonpositive(-b))
-                                         : exp_nonpositive(b) / (1.0f + exp_nonpositive(b));
+            const float beta = sigmoid1(p[beta_at + h]);
             const float decay = expf(decay_rate * softplus1(p[decay_at + h] + dt_bias));
             for (int64_t j = 0; j < dv; j++) predicted[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {
@@ -191,45 +175,26 @@ static int delta_rule(const LinearLayer *layer, const LinearShape *s, const floa
     return 0;
 }
 
-/* out = rms_norm(out) * w * silu(z) per value head, z the projection's gate values. */
-static void gated_norm(const LinearLayer *layer, const LinearShape *s, const float *projection,
-                       int64_t stride, int64_t channels, int64_t rows, float eps, int is_bf16,
-                       float *out, int num_threads) {
-    const int64_t dv = s->value_dim, heads = s->value_heads;
-#pragma omp parallel for num_threads(num_threads) if (rows >= 8)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t h = 0; h < heads; h++) {
-            float *o = out + (r * heads + h) * dv;
-            const float *z = projection + r * stride + channels + h * dv;
-            float sum = 0.0f;
-            for (int64_t j = 0; j < dv; j++) sum += o[j] * o[j];
-            const float inverse = 1.0f / sqrtf(sum / (float)dv + eps);
-            for (int64_t j = 0; j < dv; j++)
-                o[j] = o[j] * inverse * dtype_value(layer->norm, j, is_bf16) * silu1(z[j]);
-        }
-}
-
-/* The mixer between the projections: projection [rows, stride] holds per row the
- * convolution's inputs (queries, keys, values), the output gate z, beta's and the decay's
- * logits; conv_out [rows, channels] is scratch; out [rows, value_heads * value_dim] gets
- * what the output projection reads. Returns 1 when scratch could not be allocated. */
+/* The convolution then the delta rule over a projection's rows [rows, stride] (per row the
+ * convolution's inputs: queries, keys, values; then the output gate z, beta's and the
+ * decay's logits); conv_out [rows, channels] is scratch; out [rows, value_heads *
+ * value_dim] gets each head's output, before the gated norm. Returns 1 when scratch could
+ * not be allocated. */
 static int linear_mixer(const LinearLayer *layer, const LinearShape *s, const float *projection,
                         int64_t stride, int64_t rows, const int64_t *reads,
-                        const int64_t *writes, float eps, int is_bf16, float *conv_out,
-                        float *out, int num_threads) {
+                        const int64_t *writes, int is_bf16, float *conv_out, float *out,
+                        int num_threads) {
     const int64_t channels = 2 * s->key_heads * s->key_dim + s->value_heads * s->value_dim;
     int64_t *chain_first = malloc(sizeof(int64_t) * (size_t)(2 * rows));
     if (chain_first == NULL) return 1;
     int64_t *chain_length = chain_first + rows;
     const int64_t chains = linear_chains(reads, rows, chain_first, chain_length);
-    short_conv(layer, projection, stride, rows, channels, s->conv_kernel, reads, writes,
-               chain_first, chain_length, chains, is_bf16, conv_out, num_threads);
+    short_conv(layer, projection, stride, channels, s->conv_kernel, reads, writes, chain_first,
+               chain_length, chains, is_bf16, conv_out, num_threads);
     const int failed = delta_rule(layer, s, conv_out, projection, stride, channels, reads, writes,
                                   chain_first, chain_length, chains, is_bf16, out, num_threads);
     free(chain_first);
-    if (failed) return 1;
-    gated_norm(layer, s, projection, stride, channels, rows, eps, is_bf16, out, num_threads);
-    return 0;
+    return failed;
 }
 
 #endif
