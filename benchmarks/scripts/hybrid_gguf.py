@@ -1,6 +1,6 @@
 """The native hybrid step against llama.cpp and against the PyTorch layers it replaces, on
 a Qwen3.5-0.8B-shaped `qwen35` file (make_hybrid_gguf.py makes it): prefill of one
-512-token prompt, and single-stream decode of 64 tokens after a 564-token prompt, side by
+512-token prompt, and single-stream decode of 128 tokens after a 564-token prompt, side by
 side in one run (llama-bench for llama.cpp at its best flash-attention setting; forklift
 before the native step from a git revision of this tree; fresh processes each).
 
@@ -24,7 +24,7 @@ from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
 
-PREFILL, DEPTH, DECODE = 512, 564, 64
+PREFILL, DEPTH, DECODE = 512, 564, 128
 
 # One forklift process (the tree on sys.path first): load, warm up, then prefill and decode.
 CHILD = r"""
@@ -64,7 +64,7 @@ def forklift_run(tree: Path, model: Path) -> dict:
 
 
 def llama_bench(binary: Path, model: Path) -> dict:
-    """pp512 and tg64 at depth 564, each at llama.cpp's faster flash-attention setting."""
+    """pp512 and tg128 at depth 564, each at llama.cpp's faster flash-attention setting."""
     best: dict = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0}
     for flash in ("0", "1"):
         for key, extra in (
@@ -105,7 +105,7 @@ def main() -> None:
     size = args.model.stat().st_size / 2**30
     quant = args.model.name.split(".")[-2]
     rows = [("prefill tok/s (512-token prompt)", "prefill_tok_s"),
-            (f"decode tok/s (64 tokens after {DEPTH})", "decode_tok_s")]  # fmt: skip
+            (f"decode tok/s ({DECODE} tokens after {DEPTH})", "decode_tok_s")]  # fmt: skip
     lines = [
         f"# The native hybrid step on a Qwen3.5-0.8B-shaped {quant} file",
         "",
@@ -116,6 +116,12 @@ def main() -> None:
         f"llama.cpp: llama-bench pp{PREFILL} and tg{DECODE} at depth {DEPTH}, at its faster "
         "flash-attention setting.",
         "",
+    ]
+    kind = os.environ.get("FORKLIFT_CPU_KIND")
+    if kind:  # (the children inherit it)
+        lines += [f"forklift, before and now, built as the `{kind}` CPU kind "
+                  "(FORKLIFT_CPU_KIND); llama.cpp runs its build for this CPU.", ""]  # fmt: skip
+    lines += [
         "| what | forklift | forklift before | llama.cpp | vs before | vs llama.cpp |",
         "|---|---|---|---|---|---|",
     ]
@@ -126,12 +132,16 @@ def main() -> None:
         )
     lines.append("")
     report = {"cpu_flags": sorted(cpu_flags()), "forklift": ours, "forklift_before": before,
-              "llama_cpp": peer, "baseline": args.baseline, "file_gib": size}  # fmt: skip
+              "llama_cpp": peer, "baseline": args.baseline, "file_gib": size,
+              "forklift_cpu_kind": kind}  # fmt: skip
     model = f"OUT_DIR/{args.model.name}"
     command = command_line(__file__, "--model", model, "--llama-cpp", "LLAMA_CPP_DIR",
                            "--baseline", args.baseline)  # fmt: skip
+    if kind:
+        command = f"FORKLIFT_CPU_KIND={kind} {command}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "hybrid-native-step-" + quant.lower().replace("_", "-")
+    stem += f"-{kind}-kind" if kind else ""
     write_results(args.out_dir, stem, report, lines, command)
 
 
