@@ -23,6 +23,7 @@ from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
+from forklift.cpu import host_cpu_flags
 
 PREFILL, DEPTH, DECODE = 512, 564, 128
 
@@ -120,7 +121,8 @@ def main() -> None:
     kind = os.environ.get("FORKLIFT_CPU_KIND")
     if kind:  # (the children inherit it)
         lines += [f"forklift, before and now, built as the `{kind}` CPU kind "
-                  "(FORKLIFT_CPU_KIND); llama.cpp runs its build for this CPU.", ""]  # fmt: skip
+                  "(FORKLIFT_CPU_KIND); llama.cpp runs its build for this CPU, whose flags are: "
+                  + " ".join(sorted(host_cpu_flags())) + ".", ""]  # fmt: skip
     lines += [
         "| what | forklift | forklift before | llama.cpp | vs before | vs llama.cpp |",
         "|---|---|---|---|---|---|",
@@ -133,7 +135,7 @@ def main() -> None:
     lines.append("")
     report = {"cpu_flags": sorted(cpu_flags()), "forklift": ours, "forklift_before": before,
               "llama_cpp": peer, "baseline": args.baseline, "file_gib": size,
-              "forklift_cpu_kind": kind}  # fmt: skip
+              "forklift_cpu_kind": kind, "host_cpu_flags": sorted(host_cpu_flags())}  # fmt: skip
     model = f"OUT_DIR/{args.model.name}"
     command = command_line(__file__, "--model", model, "--llama-cpp", "LLAMA_CPP_DIR",
                            "--baseline", args.baseline)  # fmt: skip
