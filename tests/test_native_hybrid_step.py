@@ -268,3 +268,17 @@ def test_the_native_mixer_equals_the_pytorch_layer_in_fp32():
     torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)
     assert not torch.equal(recurrent[6], before[6])  # the last verifying row wrote its slot
     assert torch.equal(recurrent[4], before[4]) and torch.equal(recurrent[7], before[7])
+
+
+def test_a_hybrid_step_without_its_rows_state_slots_is_refused(tmp_path):
+    make_tiny_hybrid("sandwich", tmp_path)
+    llm = _engine(tmp_path)
+    _outputs(llm, [[5, 6, 7]])  # binds the step to the weights and the cache
+    backend = llm.llm_engine.runner.backend
+    ids, positions = torch.tensor([5, 6]), torch.tensor([0, 1])
+    groups = [(torch.tensor([4, 5]), torch.ones(2, 1, dtype=torch.int64), torch.zeros(2, 4))]
+    with pytest.raises(ValueError, match="needs its rows' state slots"):
+        backend.native_step(backend.binding, ids, positions, groups)
+    carried_on = (torch.tensor([-1, -1]), torch.tensor([-1, 1]))  # a first row with no state
+    with pytest.raises(ValueError, match="the first read"):
+        backend.native_step(backend.binding, ids, positions, groups, states=carried_on)
