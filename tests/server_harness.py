@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+
+
+def forklift_command() -> list[str]:
+    """The `forklift` command of this environment (its script, else `python -m forklift`)."""
+    script = Path(sys.executable).with_name("forklift")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("forklift")
+    return [found] if found else [sys.executable, "-m", "forklift"]
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from forklift.model.model_config import ModelConfig
 from forklift.tokenizer import Tokenizer as ForkliftTokenizer
 
 VOCAB = 256
@@ -270,3 +271,10 @@ def add_mtp_layer(tiny: TinyModel, seed: int = 0) -> dict[str, torch.Tensor]:
         mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.3
     save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
     return mtp
+
+
+# One layer of the default model's shapes (SmolLM2-135M): for arithmetic on real sizes.
+SMOLLM2_LIKE = ModelConfig(
+    architecture="llama", vocab_size=49153, hidden_size=576,
+    intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+)  # fmt: skip

@@ -7,18 +7,12 @@ import random
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, VOCAB, make_tiny_model
+from tiny_models import ARCHITECTURES, SMOLLM2_LIKE, VOCAB, make_tiny_model
 
 from forklift import LLM, SamplingParams
-from forklift.model.model_config import ModelConfig
 from forklift.model.tensor_parallel import TensorParallelShard, split_range
 from forklift.model.tp_group import check_single_node
 from forklift.model.weight_slots import hf_tensor_shape
-
-SMOLLM2_LIKE = ModelConfig(
-    architecture="llama", vocab_size=49153, hidden_size=576,
-    intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
-)  # fmt: skip
 
 
 def test_split_range_covers_everything_once():

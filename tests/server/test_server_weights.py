@@ -187,7 +187,7 @@ def test_trainer_routes_on_the_network_need_an_api_key(host, api_key, enabled, r
 
 
 def test_forklift_serve_refuses_open_trainer_routes_before_loading_anything():
-    from test_cli import forklift_command
+    from server_harness import forklift_command
 
     done = subprocess.run(
         [*forklift_command(), "serve", "--host", "0.0.0.0", "--enable-trainer-routes"],

@@ -20,9 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_oracles import (
+    ATTENTION_TARGETS,
+    load_attention_target,
+    paged_attention_reference,
+    paged_tables,
+)
+from spec_oracles import with_oracle
 from test_batch_invariance import _prompt, _result
-from test_native_decode_attention import TARGETS, _reference, load_target, paged_tables
-from test_spec_decode_engine import with_oracle
 from tiny_models import make_tiny_hybrid, make_tiny_model
 
 from forklift import LLM, SamplingParams
@@ -134,10 +139,10 @@ class Target:
     rounds_queries: bool
 
 
-@pytest.fixture(scope="module", params=list(TARGETS))
+@pytest.fixture(scope="module", params=list(ATTENTION_TARGETS))
 def target(request) -> Target:
-    kernel = load_target(request.param)
-    native_bf16 = TARGETS[request.param][0] is None and "avx512_bf16" in cpu_flags()
+    kernel = load_attention_target(request.param)
+    native_bf16 = ATTENTION_TARGETS[request.param][0] is None and "avx512_bf16" in cpu_flags()
     return Target(kernel, native_bf16)
 
 
@@ -159,7 +164,9 @@ def _coded_case(seqs, kv_heads, group, head_dim, lengths, block_size=4, window=N
 
 def _widened_reference(q, key_cache, value_cache, blocks, valid, scale):
     """Attention over the rows as stored (the kernels never rotate: their callers do)."""
-    return _reference(q, stored_rows(key_cache), stored_rows(value_cache), blocks, valid, scale)
+    return paged_attention_reference(
+        q, stored_rows(key_cache), stored_rows(value_cache), blocks, valid, scale
+    )
 
 
 CODED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "forklift"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "forklift"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (

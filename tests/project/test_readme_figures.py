@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 # The documents that quote reports: the README, and the index of the reports.
 DOCUMENTS = (ROOT / "README.md", BENCHMARKS / "README.md")

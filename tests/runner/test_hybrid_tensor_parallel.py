@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from test_hybrid import GREEDY, _llm, _prompts
-from test_hybrid_prefix_cache import _logprobs
+from hybrid_cases import GREEDY, chosen_logprobs, hybrid_engine, hybrid_prompts
 from tiny_models import make_tiny_hybrid
 
 from forklift import SamplingParams
@@ -54,18 +53,20 @@ def test_each_rank_holds_whole_head_groups_of_every_linear_tensor(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 def test_tp2_gives_the_tp1_outputs(model, caching):
-    prompts = _prompts(30, [5, 23, 41])
-    prompts.append(prompts[2][:36] + _prompts(31, [9])[0])  # a shared prefix, for the cache
+    prompts = hybrid_prompts(30, [5, 23, 41])
+    prompts.append(prompts[2][:36] + hybrid_prompts(31, [9])[0])  # a shared prefix, for the cache
     settings = dict(enable_prefix_caching=caching, kv_cache_memory_bytes=2**21)
-    expected = _llm(model.path, **settings).generate(prompts, GREEDY, use_tqdm=False)
-    llm = _llm(model.path, tensor_parallel_size=2, **settings)
+    expected = hybrid_engine(model.path, **settings).generate(prompts, GREEDY, use_tqdm=False)
+    llm = hybrid_engine(model.path, tensor_parallel_size=2, **settings)
     try:
         for params in (GREEDY, SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True)):
             outputs = llm.generate(prompts, params, use_tqdm=False)
             if params is GREEDY:
                 for output, reference in zip(outputs, expected, strict=True):
                     assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-                    assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-4)
+                    assert chosen_logprobs(output) == pytest.approx(
+                        chosen_logprobs(reference), abs=1e-4
+                    )
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
     finally:
@@ -81,14 +82,14 @@ def test_tp2_adds_attention_biases_once(tmp_path):
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
     tiny.hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    prompts = _prompts(32, [6, 19])
-    expected = _llm(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
-    llm = _llm(tmp_path, tensor_parallel_size=2)
+    prompts = hybrid_prompts(32, [6, 19])
+    expected = hybrid_engine(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
+    llm = hybrid_engine(tmp_path, tensor_parallel_size=2)
     try:
         for output, reference in zip(
             llm.generate(prompts, GREEDY, use_tqdm=False), expected, strict=True
         ):
             assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-            assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-4)
+            assert chosen_logprobs(output) == pytest.approx(chosen_logprobs(reference), abs=1e-4)
     finally:
         llm.shutdown()

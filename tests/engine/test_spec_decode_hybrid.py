@@ -5,14 +5,13 @@ outputs are those of decoding without speculation, token for token, and no slot 
 from __future__ import annotations
 
 import pytest
+from spec_oracles import OracleProposer, sequences
 from test_spec_decode_engine import (
     SPEC,
-    OracleProposer,
     abort_every_other,
     assert_same,
     prompts_of,
     run,
-    sequences,
 )
 from tiny_models import make_tiny_hybrid
 

@@ -31,7 +31,7 @@ from forklift.model.quantize import resolve_quantization
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.attention_metadata import build_attention_metadata
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no ATen int4 CPU kernel")
 
@@ -388,7 +388,7 @@ def test_tensor_parallel_shards_of_int4_groups_are_shards_of_the_weight(name):
     weight (row-parallel slices fall on group boundaries: 64-wide heads, 768 columns)."""
     from types import SimpleNamespace
 
-    from test_tensor_parallel import SMOLLM2_LIKE
+    from tiny_models import SMOLLM2_LIKE
 
     from forklift.model.quantize import _shard_groups
     from forklift.model.tensor_parallel import TensorParallelShard

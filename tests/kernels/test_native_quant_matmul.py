@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from kernel_oracles import activation_quantized, quant_matmul_reference
 
 from forklift.cpu import cpu_flags, native_arch_flags
 from forklift.model.layers.block_weights import BlockInt4, BlockInt8
@@ -75,19 +76,6 @@ def test_amx_cpus_multiply_on_tiles():
         assert not QuantMatmulKernel.load(TARGETS[target]).tiles_available
 
 
-def _activation_quantized(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: int8 codes per 32 values with scale max|x| / 127."""
-    rows, k = x.shape
-    blocks = x.float().view(rows, k // 32, 32)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    return (torch.round(blocks * inverse) * scale).view(rows, k)
-
-
-def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (_activation_quantized(x).double() @ weight.double().T).float()
-
-
 SHAPES = [(8, 32), (13, 64), (40, 32), (40, 64), (96, 96), (200, 576), (33, 1536)]
 
 
@@ -106,13 +94,13 @@ def test_block_matmul_equals_the_reference(kernel, n, k, form):
     for rows in (1, 2, 3, 4, 5, 8, 16, 17, 33):
         x = torch.randn(rows, k)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-        want = _reference(x, exact)
+        want = quant_matmul_reference(x, exact)
         got = blocks.linear(x)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
         got_bf16 = blocks.linear(x.bfloat16())
         assert got_bf16.dtype == torch.bfloat16
-        want_bf16 = _reference(x.bfloat16().float(), exact)
+        want_bf16 = quant_matmul_reference(x.bfloat16().float(), exact)
         torch.testing.assert_close(got_bf16.float(), want_bf16, rtol=1e-2, atol=1e-2)
 
 
@@ -128,8 +116,8 @@ def test_precise_activations_take_two_int8_rows(kernel, form):
     exact = precise.dequantize()
     for rows in (1, 3, 9, 16):
         x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)  # uneven blocks, as real ones
-        first = _activation_quantized(x)
-        two_rows = first + _activation_quantized(x - first)
+        first = activation_quantized(x)
+        two_rows = first + activation_quantized(x - first)
         want = (two_rows.double() @ exact.double().T).float()
         got = precise.linear(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
@@ -173,7 +161,7 @@ def test_prefill_sized_steps_equal_the_reference_and_each_row_alone(kernel, form
         got = blocks.linear(x[:rows])
         assert torch.equal(got, alone[:rows]), rows
         if not precise:
-            want = _reference(x[:rows], exact)
+            want = quant_matmul_reference(x[:rows], exact)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 

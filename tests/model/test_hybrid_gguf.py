@@ -26,7 +26,7 @@ from forklift.model.layers.quantized import Int8Blocks
 from forklift.model.model_config import LinearAttentionConfig
 from forklift.model.safetensors_loader import load_hf_model_config
 
-FIXTURES = Path(__file__).parent / "data" / "hybrid_gguf"
+FIXTURES = Path(__file__).parents[1] / "data" / "hybrid_gguf"
 VARIANTS = ["interval", "odd-heads"]  # interval: two value heads per key head, an MTP layer
 NEW_TOKENS = 16
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from kernel_oracles import assert_same_steps
 from tiny_models import make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
@@ -42,21 +43,6 @@ def _generate(llm: LLM, prompts, tokens: int = 20, n: int = 1):
     return [o for out in outs for o in out.outputs]
 
 
-def _assert_same(got, want) -> None:
-    """Same tokens; the chosen tokens' logprobs equal to rounding at most steps. A value
-    that lands within rounding error of an int8 step of the activation quantization can
-    round either way in the two paths (about one value in 10^5): that step, and the later
-    ones that attend to its K/V, then differ by a few hundredths."""
-    deviations = []
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids
-        for token, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
-            deviations.append(abs(step_a[token].logprob - step_b[token].logprob))
-    deviations.sort()
-    assert deviations[-1] < 0.1, deviations[-5:]
-    assert deviations[len(deviations) * 3 // 4] < 1e-4, deviations
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_step_equals_the_pytorch_layers(tmp_path, arch):
     make_tiny_model(arch, tmp_path)
@@ -66,7 +52,7 @@ def test_native_step_equals_the_pytorch_layers(tmp_path, arch):
     prompts = [[5 + i, 17, 3 * i + 1, 40, 9][: 2 + i] for i in range(5)]
     got = _generate(native, prompts)
     want = _generate(reference, prompts)
-    _assert_same(got, want)
+    assert_same_steps(got, want)
     assert native.llm_engine.runner.native_steps >= 19  # every decode step of the batch
     assert reference.llm_engine.runner.native_steps == 0
 
@@ -109,7 +95,7 @@ def test_native_step_follows_weight_updates(tmp_path):
     save_with_weight(tiny, tmp_path / "a", tmp_path / "b", name, changed)
     after = _generate(llm, prompts)
     fresh = _generate(_int4_engine(tmp_path / "b"), prompts)
-    _assert_same(after, fresh)
+    assert_same_steps(after, fresh)
     assert any(a.token_ids != b.token_ids for a, b in zip(after, before, strict=True))
 
 
@@ -120,7 +106,9 @@ def test_n_samples_and_prefix_caching_on_the_native_step(tmp_path):
     prefix = [7, 3, 9, 11, 4, 8, 15, 2]
     prompts = [prefix + [20 + i] for i in range(3)]
     for _ in range(2):  # the second round hits the cache
-        _assert_same(_generate(native, prompts, 12, n=2), _generate(reference, prompts, 12, n=2))
+        assert_same_steps(
+            _generate(native, prompts, 12, n=2), _generate(reference, prompts, 12, n=2)
+        )
     assert native.llm_engine.prefix_cache_stats().hit_tokens > 0
     assert native.llm_engine.runner.native_steps > 0
 

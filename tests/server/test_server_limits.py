@@ -9,8 +9,7 @@ import httpx
 import openai
 import pytest
 import transformers
-from server_harness import free_port, running_server, wait_until_idle
-from test_cli import forklift_command
+from server_harness import forklift_command, free_port, running_server, wait_until_idle
 from tiny_models import make_tiny_model
 
 from forklift.config import EngineConfig

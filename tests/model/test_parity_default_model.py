@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in fp32 matches HF transformers.
 
 The oracle is transformers' LlamaForCausalLM holding the same dequantized weights, so this
-checks forklift's model, paged attention and batching; tests/test_loaders.py checks the
+checks forklift's model, paged attention and batching; tests/model/test_loaders.py checks the
 dequantization and q/k un-permutation against transformers' own GGUF code.
 """
 
@@ -82,7 +82,7 @@ def test_multiple_choice_scores_through_the_completions_api_match_transformers(
                           kv_cache_memory_bytes=32 * 2**20)  # fmt: skip
     engine = LLMEngine(config)
     tokenizer = engine.tokenizer
-    tasks = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
+    tasks = json.loads((Path(__file__).parents[1] / "data" / "multiple_choice.json").read_text())
     picked = {"api": [], "hf": []}
     with running_server(build_app(engine, "smol")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

@@ -4,7 +4,14 @@ from checkpoints kept at block boundaries (core/state_checkpoints.py)."""
 from __future__ import annotations
 
 import pytest
-from test_hybrid import GREEDY, _assert_matches_hf, _assert_nothing_held, _llm, _prompts
+from hybrid_cases import (
+    GREEDY,
+    assert_matches_hf,
+    assert_nothing_held,
+    chosen_logprobs,
+    hybrid_engine,
+    hybrid_prompts,
+)
 from tiny_models import make_tiny_hybrid
 
 from forklift import LLM, SamplingParams
@@ -20,11 +27,6 @@ def model(tmp_path_factory):
 def _alone(llm: LLM, prompt: list[int]):
     (output,) = llm.generate([prompt], GREEDY, use_tqdm=False)
     return output
-
-
-def _logprobs(output) -> list[float]:
-    completion = output.outputs[0]
-    return [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
 
 
 def _checkpoints(llm: LLM) -> StateCheckpoints:
@@ -43,29 +45,29 @@ def _with_checkpoints(llm: LLM, interval: int = 1024, capacity: int | None = Non
 
 
 def _cached_llm(path, **overrides) -> LLM:
-    return _with_checkpoints(_llm(path, **overrides))
+    return _with_checkpoints(hybrid_engine(path, **overrides))
 
 
 def test_a_repeated_prompt_resumes_from_its_checkpoint_with_the_same_output(model):
-    prompt = _prompts(10, [41])[0]
+    prompt = hybrid_prompts(10, [41])[0]
     llm = _cached_llm(model.path)
     first, again = _alone(llm, prompt), _alone(llm, prompt)
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == 40  # the full blocks before the last prompt token
     # The miss stopped its prompt at the same boundary the hit resumes from: same bits.
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert _logprobs(again) == _logprobs(first)
-    _assert_matches_hf(model.hf_model, [prompt], [again])
+    assert chosen_logprobs(again) == chosen_logprobs(first)
+    assert_matches_hf(model.hf_model, [prompt], [again])
     stats = llm.llm_engine.prefix_cache_stats()
     assert stats.enabled and stats.hit_tokens == 40
     kv = take_snapshot(llm.llm_engine).kv  # what /status shows
     assert kv["state_checkpoints"] == _checkpoints(llm).num_checkpoints == 2  # prompt, end
     assert kv["state_checkpoint_slots"] == _checkpoints(llm).capacity
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_a_shared_system_prompt_leaves_a_checkpoint_where_the_requests_branch(model):
-    system, a, b, c = _prompts(11, [36, 24, 14, 19])
+    system, a, b, c = hybrid_prompts(11, [36, 24, 14, 19])
     llm = _cached_llm(model.path)
     first = _alone(llm, system + a)
     # Its K/V cover the shared 36 tokens, but no checkpoint stands there yet: it computes
@@ -75,41 +77,41 @@ def test_a_shared_system_prompt_leaves_a_checkpoint_where_the_requests_branch(mo
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0)
     assert third.num_cached_tokens == 36
     prompts = [system + a, system + b, system + c]
-    _assert_matches_hf(model.hf_model, prompts, [first, second, third])
-    _assert_nothing_held(llm)
+    assert_matches_hf(model.hf_model, prompts, [first, second, third])
+    assert_nothing_held(llm)
 
 
 def test_the_next_chat_turn_resumes_where_the_last_one_ended(model):
-    prompt, extra, other = _prompts(12, [21, 7, 29])
-    llm = _llm(model.path)
+    prompt, extra, other = hybrid_prompts(12, [21, 7, 29])
+    llm = hybrid_engine(model.path)
     turn = _alone(llm, prompt)
     _alone(llm, other)  # another conversation in between takes over the state slot
     follow_up = prompt + list(turn.outputs[0].token_ids) + extra
     next_turn = _alone(llm, follow_up)
     # 21 prompt + 16 output tokens, 36 of them computed: the last boundary it reached.
     assert next_turn.num_cached_tokens == 36
-    _assert_matches_hf(model.hf_model, [follow_up], [next_turn])
-    _assert_nothing_held(llm)
+    assert_matches_hf(model.hf_model, [follow_up], [next_turn])
+    assert_nothing_held(llm)
 
 
 def test_a_long_prompt_keeps_checkpoints_every_interval_with_the_misses_bits(model):
-    long, tail = _prompts(13, [70, 20])
+    long, tail = hybrid_prompts(13, [70, 20])
     shared = long[:50] + tail
-    llm = _with_checkpoints(_llm(model.path), interval=16)
+    llm = _with_checkpoints(hybrid_engine(model.path), interval=16)
     _alone(llm, long)
     hit = _alone(llm, shared)
     assert hit.num_cached_tokens == 48  # the last checkpoint (every 16) the 50 shared reach
     # A miss stops its prompt chunks at the same boundaries (16, 32, 48, ...): same bits.
-    miss = _alone(_with_checkpoints(_llm(model.path), interval=16), shared)
+    miss = _alone(_with_checkpoints(hybrid_engine(model.path), interval=16), shared)
     assert miss.num_cached_tokens == 0
     assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
-    assert _logprobs(hit) == _logprobs(miss)
-    _assert_matches_hf(model.hf_model, [shared], [hit])
+    assert chosen_logprobs(hit) == chosen_logprobs(miss)
+    assert_matches_hf(model.hf_model, [shared], [hit])
 
 
 def test_checkpoints_are_evicted_least_recently_used_and_reset_with_the_cache(model):
-    prompts = _prompts(14, [30, 26, 34])
-    llm = _with_checkpoints(_llm(model.path), capacity=2)
+    prompts = hybrid_prompts(14, [30, 26, 34])
+    llm = _with_checkpoints(hybrid_engine(model.path), capacity=2)
     outputs = [_alone(llm, p) for p in prompts]
     checkpoints = _checkpoints(llm)
     assert checkpoints.num_checkpoints == 2  # the last prompt's: its prompt's and its end's
@@ -120,26 +122,26 @@ def test_checkpoints_are_evicted_least_recently_used_and_reset_with_the_cache(mo
     assert llm.llm_engine.reset_prefix_cache() > 0
     assert checkpoints.num_checkpoints == 0
     assert _alone(llm, prompts[2]).num_cached_tokens == 0
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_the_memory_plan_counts_checkpoint_slots_in_the_state_tensors(model):
-    llm = _llm(model.path)
+    llm = hybrid_engine(model.path)
     engine = llm.llm_engine
     plan = engine.kv_plan
     assert plan.num_checkpoint_slots == _checkpoints(llm).capacity > 0
     assert plan.checkpoint_bytes == plan.num_checkpoint_slots * plan.state_bytes_per_slot
     states = engine.runner.cache.recurrent_states
     assert states.shape[1] == 1 + plan.num_state_slots + plan.num_checkpoint_slots
-    off = _llm(model.path, enable_prefix_caching=False).llm_engine
+    off = hybrid_engine(model.path, enable_prefix_caching=False).llm_engine
     assert off.kv_plan.num_checkpoint_slots == 0
     assert off.kv_manager.state_checkpoints is None
     assert off.runner.cache.recurrent_states.shape[1] == 1 + off.kv_plan.num_state_slots
 
 
 def test_a_short_prompt_does_not_stop_for_a_checkpoint(model):
-    prompt = _prompts(21, [41])[0]
-    default = _llm(model.path, max_num_batched_tokens=64)
+    prompt = hybrid_prompts(21, [41])[0]
+    default = hybrid_engine(model.path, max_num_batched_tokens=64)
     eager = _cached_llm(model.path, max_num_batched_tokens=64)
     for llm in (default, eager):
         _alone(llm, prompt)
@@ -199,8 +201,8 @@ def test_checkpoint_slots_are_indexed_held_or_free():
 
 
 def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
-    prompt = _prompts(15, [23])[0]
-    llm = _llm(model.path)  # a short prompt: kept only because its samples fork there
+    prompt = hybrid_prompts(15, [23])[0]
+    llm = hybrid_engine(model.path)  # a short prompt: kept only because its samples fork there
     params = SamplingParams(n=4, temperature=0, max_tokens=16, ignore_eos=True)
     (first,) = llm.generate([prompt], params, use_tqdm=False)
     steps = len(llm.llm_engine.step_log)
@@ -210,25 +212,25 @@ def test_samples_of_a_repeated_prompt_fork_from_its_checkpoint(model):
     assert again.num_cached_tokens == 20
     assert len(llm.llm_engine.step_log) - steps <= steps
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_a_shared_checkpoint_outlives_more_sequences_than_slots(model):
-    system = _prompts(16, [36])[0]
-    questions = _prompts(17, [5, 7, 3, 9, 4, 6, 8, 5, 6, 7])
-    llm = _with_checkpoints(_llm(model.path, max_num_batched_tokens=512), capacity=4)
+    system = hybrid_prompts(16, [36])[0]
+    questions = hybrid_prompts(17, [5, 7, 3, 9, 4, 6, 8, 5, 6, 7])
+    llm = _with_checkpoints(hybrid_engine(model.path, max_num_batched_tokens=512), capacity=4)
     for question in questions[:2]:  # the second leaves the checkpoint where they branch
         _alone(llm, system + question)
     for wave in (questions[2:6], questions[6:]):  # more at once than there are slots
         outputs = llm.generate([system + q for q in wave], GREEDY, use_tqdm=False)
         assert [o.num_cached_tokens for o in outputs] == [36] * len(wave)
-    _assert_matches_hf(model.hf_model, [system + q for q in questions[6:]], outputs)
-    _assert_nothing_held(llm)
+    assert_matches_hf(model.hf_model, [system + q for q in questions[6:]], outputs)
+    assert_nothing_held(llm)
 
 
 def test_preempted_sequences_resume_from_checkpoints(model):
-    system = _prompts(18, [24])[0]
-    prompts = [system + q for q in _prompts(19, [6, 8, 4, 7, 5, 9])]
+    system = hybrid_prompts(18, [24])[0]
+    prompts = [system + q for q in hybrid_prompts(19, [6, 8, 4, 7, 5, 9])]
     # 39 blocks of 4 tokens: six sequences growing to about 48 tokens need 72.
     llm = _cached_llm(model.path, num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=128)
     _alone(llm, prompts[0])
@@ -237,19 +239,21 @@ def test_preempted_sequences_resume_from_checkpoints(model):
     assert llm.llm_engine.scheduler.num_preemptions > 0
     # The first two resume from their own prompts' ends, the rest where the system ends.
     assert [o.num_cached_tokens for o in outputs] == [28, 28, 24, 24, 24, 24]
-    _assert_matches_hf(model.hf_model, prompts, outputs)
-    _assert_nothing_held(llm)
+    assert_matches_hf(model.hf_model, prompts, outputs)
+    assert_nothing_held(llm)
 
 
 def test_a_budget_without_room_for_a_checkpoint_turns_prefix_caching_off(model, caplog):
     # One sequence of 256 tokens needs 64 blocks: no checkpoint may take any of them.
     with caplog.at_level("INFO", logger="forklift"):
-        llm = _llm(model.path, kv_cache_memory_bytes=84_000, max_model_len=256, max_num_seqs=1)
+        llm = hybrid_engine(
+            model.path, kv_cache_memory_bytes=84_000, max_model_len=256, max_num_seqs=1
+        )
     assert llm.llm_engine.kv_plan.num_checkpoint_slots == 0
     assert "holds no linear-layer state checkpoint" in caplog.text
     assert llm.llm_engine.prefix_cache_stats().enabled is False
-    prompt = _prompts(20, [30])[0]
-    _assert_matches_hf(model.hf_model, [prompt], [_alone(llm, prompt)])
+    prompt = hybrid_prompts(20, [30])[0]
+    assert_matches_hf(model.hf_model, [prompt], [_alone(llm, prompt)])
 
 
 SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -263,7 +267,7 @@ def sandwich(tmp_path_factory):
 def _assert_close(output, reference) -> None:
     """The same tokens, and logprobs within what computing other chunks rounds."""
     assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-    assert _logprobs(output) == pytest.approx(_logprobs(reference), abs=1e-3)
+    assert chosen_logprobs(output) == pytest.approx(chosen_logprobs(reference), abs=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["interval", "sandwich"])
@@ -271,9 +275,12 @@ def _assert_close(output, reference) -> None:
 def test_each_chat_turn_computes_only_its_new_tokens(model, sandwich, layout, params):
     path = (model if layout == "interval" else sandwich).path
     settings = dict(max_model_len=512, kv_cache_memory_bytes=2**22)
-    cached, uncached = _llm(path, **settings), _llm(path, enable_prefix_caching=False, **settings)
+    cached, uncached = (
+        hybrid_engine(path, **settings),
+        hybrid_engine(path, enable_prefix_caching=False, **settings),
+    )
     history: list[int] = []
-    for turn, new in enumerate(_prompts(22, [8] * 8)):
+    for turn, new in enumerate(hybrid_prompts(22, [8] * 8)):
         history += new
         (output,) = cached.generate([history], params, use_tqdm=False)
         (reference,) = uncached.generate([history], params, use_tqdm=False)
@@ -281,18 +288,18 @@ def test_each_chat_turn_computes_only_its_new_tokens(model, sandwich, layout, pa
         if turn:  # at most the new tokens and the last answer's partial block
             assert len(history) - output.num_cached_tokens <= len(new) + 4
         history += output.outputs[0].token_ids
-    _assert_nothing_held(cached)
+    assert_nothing_held(cached)
 
 
 def test_requests_behind_one_system_prompt_resume_where_it_ends(tmp_path):
     model = make_tiny_hybrid("interval", tmp_path, max_position_embeddings=1024)
-    system = _prompts(23, [500])[0]
+    system = hybrid_prompts(23, [500])[0]
     # The first prompt's own end lies past the system prompt's: no checkpoint there yet.
-    prompts = [system + q for q in _prompts(24, [11] + [3 + i % 9 for i in range(31)])]
+    prompts = [system + q for q in hybrid_prompts(24, [11] + [3 + i % 9 for i in range(31)])]
     settings = dict(max_model_len=640, kv_cache_memory_bytes=2**23, max_num_batched_tokens=128)
     cached, uncached = (
-        _llm(model.path, **settings),
-        _llm(model.path, enable_prefix_caching=False, **settings),
+        hybrid_engine(model.path, **settings),
+        hybrid_engine(model.path, enable_prefix_caching=False, **settings),
     )
     outputs = [_alone(cached, p) for p in prompts[:2]]  # the second leaves the checkpoint
     outputs += cached.generate(prompts[2:], GREEDY, use_tqdm=False)
@@ -301,12 +308,12 @@ def test_requests_behind_one_system_prompt_resume_where_it_ends(tmp_path):
         outputs, uncached.generate(prompts, GREEDY, use_tqdm=False), strict=True
     ):
         _assert_close(output, reference)
-    _assert_nothing_held(cached)
+    assert_nothing_held(cached)
 
 
 def test_lookup_drafts_on_sequences_resumed_from_checkpoints(model):
-    prompts = [p * 2 for p in _prompts(25, [14, 20, 11])]
-    expected = _llm(model.path, enable_prefix_caching=False).generate(
+    prompts = [p * 2 for p in hybrid_prompts(25, [14, 20, 11])]
+    expected = hybrid_engine(model.path, enable_prefix_caching=False).generate(
         prompts, GREEDY, use_tqdm=False
     )
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -317,12 +324,12 @@ def test_lookup_drafts_on_sequences_resumed_from_checkpoints(model):
     assert llm.llm_engine.spec_stats.num_drafts > 0
     for output, reference in zip(again, expected, strict=True):
         _assert_close(output, reference)
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_checkpoints_never_outlive_the_weights_or_a_sleep(model, tmp_path):
     other = make_tiny_hybrid("interval", tmp_path, seed=3)
-    prompt = _prompts(26, [41])[0]
+    prompt = hybrid_prompts(26, [41])[0]
     llm = _cached_llm(model.path)
     assert _alone(llm, prompt).num_cached_tokens == 0
     assert _alone(llm, prompt).num_cached_tokens == 40
@@ -330,14 +337,14 @@ def test_checkpoints_never_outlive_the_weights_or_a_sleep(model, tmp_path):
     assert _checkpoints(llm).num_checkpoints == 0
     updated = _alone(llm, prompt)
     assert updated.num_cached_tokens == 0
-    _assert_matches_hf(other.hf_model, [prompt], [updated])
+    assert_matches_hf(other.hf_model, [prompt], [updated])
     assert _alone(llm, prompt).num_cached_tokens == 40  # the new weights' own checkpoint
     llm.sleep(level=1)
     llm.wake_up()
     woken = _alone(llm, prompt)
     assert woken.num_cached_tokens == 0
-    _assert_matches_hf(other.hf_model, [prompt], [woken])
-    _assert_nothing_held(llm)
+    assert_matches_hf(other.hf_model, [prompt], [woken])
+    assert_nothing_held(llm)
 
 
 def test_checkpoints_hit_again_outlive_those_hit_once():

@@ -12,9 +12,14 @@ import subprocess
 
 import pytest
 import torch
-import torch.nn.functional as F
+from kernel_oracles import (
+    ATTENTION_TARGETS,
+    load_attention_target,
+    paged_attention_reference,
+    paged_tables,
+)
 
-from forklift.cpu import CPU_KIND_ENV, cpu_flags
+from forklift.cpu import CPU_KIND_ENV
 from forklift.model.layers.decode_attention import DecodeAttention
 from forklift.native import build as native_build
 from forklift.native.decode_attention_kernel import NativeDecodeAttention
@@ -29,46 +34,9 @@ def native() -> NativeDecodeAttention:
     return kernel
 
 
-# Each instruction set's form of the kernel that this CPU runs: the tiled one with bf16 dot
-# products, the tiled one widening keys (AVX-512 without AVX512_BF16) and the per-position one.
-TARGETS = {
-    "native": (None, set()),
-    "avx512-no-bf16": (("-march=skylake-avx512",), {"avx512f", "avx512bw", "avx512vl"}),
-    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}),
-}
-
-
-def load_target(name: str) -> NativeDecodeAttention:
-    """TARGETS[name]'s build of the kernel; skips where this machine cannot build or run it."""
-    arch, needs = TARGETS[name]
-    if native_build.find_compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {name} build")
-    library = native_build.load_native_library("decode_attention", arch)
-    assert library is not None, "a C compiler is here, yet the kernel did not build or load"
-    return NativeDecodeAttention(library)
-
-
-@pytest.fixture(scope="module", params=list(TARGETS))
+@pytest.fixture(scope="module", params=list(ATTENTION_TARGETS))
 def target_kernel(request) -> NativeDecodeAttention:
-    return load_target(request.param)
-
-
-def paged_tables(gen, lengths, block_size, num_blocks, window=None):
-    """Block tables for sequences of `lengths` over blocks 1 .. num_blocks - 1 in random
-    order (one spare column of block 0), and each position's bias and validity: a prefix of
-    `lengths`, or its last `window` positions."""
-    seqs = lengths.shape[0]
-    width = -(-int(lengths.max()) // block_size) + 1
-    order = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width) + 1
-    used = torch.arange(width)[None, :] < (-(-lengths // block_size))[:, None]
-    blocks = torch.where(used, order, 0)
-    pos = torch.arange(width * block_size)[None, :]
-    valid = pos < lengths[:, None]
-    if window is not None:
-        valid &= pos > lengths[:, None] - 1 - window
-    return blocks, torch.where(valid, 0.0, float("-inf")), valid
+    return load_attention_target(request.param)
 
 
 def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
@@ -81,19 +49,6 @@ def _case(dtype, seqs, kv_heads, group, head_dim, seed, window=None):
     blocks, bias, valid = paged_tables(gen, lengths, block_size, num_blocks, window)
     q = torch.randn(seqs, kv_heads * group, head_dim, generator=gen).to(dtype)
     return q, key_cache, value_cache, blocks, bias, valid
-
-
-def _reference(q, key_cache, value_cache, blocks, valid, scale):
-    outs = []
-    kv_heads, _, _, head_dim = key_cache.shape
-    for s in range(q.shape[0]):
-        k = key_cache[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]].float()
-        v = value_cache[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, valid[s]].float()
-        out = F.scaled_dot_product_attention(
-            q[s].float()[:, None], k, v, scale=scale, enable_gqa=True
-        )
-        outs.append(out.reshape(-1))
-    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,7 +70,7 @@ def test_native_kernel_matches_the_reference(target_kernel, dtype, seqs, kv_head
     )
     scale = head_dim**-0.5
     got = target_kernel(q, key_cache, value_cache, blocks, bias, scale)
-    want = _reference(q, key_cache, value_cache, blocks, valid, scale)
+    want = paged_attention_reference(q, key_cache, value_cache, blocks, valid, scale)
     assert got.dtype == dtype and got.shape == (seqs, kv_heads * group * head_dim)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -126,7 +81,7 @@ def test_native_kernel_skips_masked_positions_anywhere(target_kernel):
     q, key_cache, value_cache, blocks, bias, valid = _case(torch.float32, 4, 2, 2, 64, 5, 6)
     assert (~valid[:, 0]).any(), "the case should mask some leading positions"
     got = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)
-    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    want = paged_attention_reference(q, key_cache, value_cache, blocks, valid, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -138,7 +93,7 @@ def test_decode_attention_runs_the_native_kernel_when_given_one(native, monkeypa
     with torch.inference_mode():
         out = kernel(q, key_cache, value_cache, blocks, bias, 0.125)
     assert not calls, "the compiled kernel ran although the native one applies"
-    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    want = paged_attention_reference(q, key_cache, value_cache, blocks, valid, 0.125)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     # A dtype the native kernel lacks goes to PyTorch's kernels.
     assert not native.supports(q.half(), key_cache.half())
@@ -254,7 +209,7 @@ def test_long_contexts_split_into_chunks_match_the_reference(target_kernel, bloc
     block size of 4 leaves the table's width short of a whole tile)."""
     q, key_cache, value_cache, blocks, bias, valid = _long_case([2500, 700, 1030], block_size)
     got = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)
-    want = _reference(q, key_cache, value_cache, blocks, valid, 0.125)
+    want = paged_attention_reference(q, key_cache, value_cache, blocks, valid, 0.125)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3)
 
 

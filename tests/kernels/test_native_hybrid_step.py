@@ -12,8 +12,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from spec_oracles import OracleProposer, sequences
 from test_native_dense_step import _bf16_checkpoint, _deviations
-from test_spec_decode_engine import OracleProposer, sequences
 from tiny_models import add_mtp_layer, make_tiny_hybrid
 
 from forklift import LLM, SamplingParams

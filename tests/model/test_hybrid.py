@@ -3,53 +3,21 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
+from hybrid_cases import (
+    GREEDY,
+    NEW_TOKENS,
+    assert_matches_hf,
+    assert_nothing_held,
+    hybrid_engine,
+    hybrid_prompts,
+)
 from safetensors.torch import load_file, save_file
-from tiny_models import HYBRID_VARIANTS, VOCAB, hf_greedy, make_tiny_hybrid
+from tiny_models import HYBRID_VARIANTS, hf_greedy, make_tiny_hybrid
 
-from forklift import LLM, SamplingParams
-
-NEW_TOKENS = 16
-PROMPT_LENGTHS = [1, 3, 7, 12, 20, 33, 50, 70]
-
-
-def _prompts(seed: int, lengths: list[int] = PROMPT_LENGTHS) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _llm(path, **overrides) -> LLM:
-    kwargs = dict(
-        model=str(path),
-        dtype="float32",
-        max_model_len=256,
-        block_size=4,
-        kv_cache_memory_bytes=2**21,
-        max_num_batched_tokens=32,  # prompts longer than this are prefilled in chunks
-    )
-    return LLM(**{**kwargs, **overrides})
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-
-
-def _assert_matches_hf(hf_model, prompts, outputs) -> None:
-    for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, logprobs = hf_greedy(hf_model, prompt, NEW_TOKENS)
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens, f"prompt of {len(prompt)} tokens"
-        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-        assert got == pytest.approx(logprobs, abs=1e-3)
-
-
-def _assert_nothing_held(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert engine.num_free_blocks == engine.num_usable_blocks
-    assert engine.state_pool is not None
-    assert engine.state_pool.num_free == engine.state_pool.num_slots
+from forklift import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +28,19 @@ def interval_model(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(HYBRID_VARIANTS))
 def test_greedy_batch_matches_transformers_under_chunked_prefill(variant, tmp_path):
     tiny = make_tiny_hybrid(variant, tmp_path)
-    prompts = _prompts(len(variant))
-    llm = _llm(tmp_path)
+    prompts = hybrid_prompts(len(variant))
+    llm = hybrid_engine(tmp_path)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    _assert_matches_hf(tiny.hf_model, prompts, outputs)
-    _assert_nothing_held(llm)
+    assert_matches_hf(tiny.hf_model, prompts, outputs)
+    assert_nothing_held(llm)
 
 
 def test_one_chunk_and_many_chunks_agree(interval_model):
-    prompts = _prompts(1, [70, 45])
-    whole = _llm(interval_model.path, max_num_batched_tokens=256).generate(
+    prompts = hybrid_prompts(1, [70, 45])
+    whole = hybrid_engine(interval_model.path, max_num_batched_tokens=256).generate(
         prompts, GREEDY, use_tqdm=False
     )
-    chunked = _llm(interval_model.path, max_num_batched_tokens=8).generate(
+    chunked = hybrid_engine(interval_model.path, max_num_batched_tokens=8).generate(
         prompts, GREEDY, use_tqdm=False
     )
     for a, b in zip(whole, chunked, strict=True):
@@ -83,23 +51,23 @@ def test_one_chunk_and_many_chunks_agree(interval_model):
 
 
 def test_preemption_drops_the_state_and_recomputes(interval_model):
-    prompts = _prompts(2, [30, 28, 26, 24, 22, 20])
+    prompts = hybrid_prompts(2, [30, 28, 26, 24, 22, 20])
     # 1 KiB of KV per block of 4 tokens and 7.3 KiB of state per sequence: this budget holds
     # 6 state slots and 55 blocks, but six sequences growing to 46 tokens need 72 blocks, so
     # the newest are preempted and recomputed.
-    llm = _llm(interval_model.path, kv_cache_memory_bytes=110_000, max_model_len=128)
+    llm = hybrid_engine(interval_model.path, kv_cache_memory_bytes=110_000, max_model_len=128)
     engine = llm.llm_engine
     assert engine.state_pool.num_slots == 6
     assert engine.num_usable_blocks < 72
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
-    _assert_matches_hf(interval_model.hf_model, prompts, outputs)
-    _assert_nothing_held(llm)
+    assert_matches_hf(interval_model.hf_model, prompts, outputs)
+    assert_nothing_held(llm)
 
 
 def test_samples_fork_the_prompt_state(interval_model):
-    prompt = _prompts(3, [23])[0]
-    llm = _llm(interval_model.path)
+    prompt = hybrid_prompts(3, [23])[0]
+    llm = hybrid_engine(interval_model.path)
     greedy_n = SamplingParams(n=4, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     (out,) = llm.generate([prompt], greedy_n, use_tqdm=False)
     expected, _ = hf_greedy(interval_model.hf_model, prompt, NEW_TOKENS)
@@ -108,15 +76,15 @@ def test_samples_fork_the_prompt_state(interval_model):
     # share; then each of the four computes only the last 3 from its copy of that state.
     steps = [s.num_batched_tokens for s in llm.llm_engine.step_log]
     assert steps[:2] == [20, 4 * 3], steps
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_seeded_samples_are_the_same_alone_and_in_a_batch(interval_model):
-    prompt = _prompts(4, [41])[0]
+    prompt = hybrid_prompts(4, [41])[0]
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm = _llm(interval_model.path)
+    llm = hybrid_engine(interval_model.path)
     (alone,) = llm.generate([prompt], params, use_tqdm=False)
-    others = _prompts(5, [9, 33, 17])
+    others = hybrid_prompts(5, [9, 33, 17])
     batch = llm.generate(
         [others[0], prompt, others[1], others[2]],
         [GREEDY, params, GREEDY, GREEDY],
@@ -124,38 +92,38 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(interval_model):
     )
     assert [c.token_ids for c in batch[1].outputs] == [c.token_ids for c in alone.outputs]
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1  # they do sample
-    _assert_matches_hf(interval_model.hf_model, [others[0]], [batch[0]])
-    _assert_nothing_held(llm)
+    assert_matches_hf(interval_model.hf_model, [others[0]], [batch[0]])
+    assert_nothing_held(llm)
 
 
 def test_aborts_give_back_blocks_and_state_slots(interval_model):
-    llm = _llm(interval_model.path)
+    llm = hybrid_engine(interval_model.path)
     engine = llm.llm_engine
     params = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(7, [30, 5, 60, 13])):
+    for i, prompt in enumerate(hybrid_prompts(7, [30, 5, 60, 13])):
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(6):
         engine.step()
     assert engine.state_pool.num_free < engine.state_pool.num_slots
     engine.abort_request([f"r{i}" for i in range(4)])
     assert not engine.has_unfinished_requests()
-    _assert_nothing_held(llm)
+    assert_nothing_held(llm)
 
 
 def test_update_weights_and_sleep_keep_parity(tmp_path):
     first = make_tiny_hybrid("sandwich", tmp_path / "a", seed=0)
     second = make_tiny_hybrid("sandwich", tmp_path / "b", seed=1)
-    prompts = _prompts(8, [5, 27])
-    llm = _llm(first.path)
+    prompts = hybrid_prompts(8, [5, 27])
+    llm = hybrid_engine(first.path)
     llm.update_weights(list(second.hf_model.state_dict().items()))
-    _assert_matches_hf(second.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_matches_hf(second.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
     llm.sleep(level=2)
     llm.wake_up()  # reloads the weights from disk: the first model again
-    _assert_matches_hf(first.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_matches_hf(first.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_an_update_with_a_wrong_shape_is_refused(interval_model):
-    llm = _llm(interval_model.path)
+    llm = hybrid_engine(interval_model.path)
     with pytest.raises(ValueError, match="in_proj_z"):
         llm.update_weights([("model.layers.0.linear_attn.in_proj_z.weight", torch.zeros(3, 64))])
 
@@ -180,32 +148,32 @@ def test_vision_language_checkpoint_loads_its_text_model(interval_model, tmp_pat
     save_file(renamed, tmp_path / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((interval_model.path / name).read_bytes())
-    prompts = _prompts(9, [11])
+    prompts = hybrid_prompts(9, [11])
     with caplog.at_level("INFO", logger="forklift"):
-        llm = _llm(tmp_path)
+        llm = hybrid_engine(tmp_path)
     assert "ignored 1 checkpoint tensors" in caplog.text
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    _assert_matches_hf(interval_model.hf_model, prompts, outputs)
+    assert_matches_hf(interval_model.hf_model, prompts, outputs)
 
 
 def test_a_qwen3_5_model_without_linear_layers_keeps_its_gated_attention(tmp_path):
     layers = ["full_attention"] * 4
     tiny = make_tiny_hybrid("interval", tmp_path, layer_types=layers)
-    prompts = _prompts(11, [6, 30])
-    llm = _llm(tmp_path)
+    prompts = hybrid_prompts(11, [6, 30])
+    llm = hybrid_engine(tmp_path)
     assert llm.llm_engine.state_pool is None  # no linear layer, no state
-    _assert_matches_hf(tiny.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert_matches_hf(tiny.hf_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_more_ranks_than_linear_key_heads_is_a_clear_error(tmp_path):
     make_tiny_hybrid("odd-heads", tmp_path)  # one linear-attention key head
     with pytest.raises(ValueError, match="exceeds the model's 1 linear-attention key heads"):
-        _llm(tmp_path, tensor_parallel_size=2)
+        hybrid_engine(tmp_path, tensor_parallel_size=2)
 
 
 def test_a_budget_without_room_for_a_state_is_refused(interval_model):
     with pytest.raises(ValueError, match="state slot"):
-        _llm(interval_model.path, kv_cache_memory_bytes=4096)
+        hybrid_engine(interval_model.path, kv_cache_memory_bytes=4096)
 
 
 def test_the_server_streams_a_hybrid_model(interval_model):
@@ -220,7 +188,7 @@ def test_the_server_streams_a_hybrid_model(interval_model):
         EngineConfig(model=str(interval_model.path), dtype="float32", max_model_len=256,
                      kv_cache_memory_bytes=2**21, max_num_batched_tokens=32)
     )  # fmt: skip
-    prompt = _prompts(10, [37])[0]
+    prompt = hybrid_prompts(10, [37])[0]
     expected, _ = hf_greedy(interval_model.hf_model, prompt, NEW_TOKENS)
     with running_server(build_app(engine, "hybrid")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

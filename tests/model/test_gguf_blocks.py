@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from gguf_factory import write_gguf
-from test_native_quant_matmul import _reference
+from kernel_oracles import quant_matmul_reference
 
 from forklift import LLM, SamplingParams
 from forklift.checkpoint.gguf_file import open_gguf
@@ -146,7 +146,7 @@ def test_q8_0_blocks_reach_the_native_kernel_unchanged():
     torch.manual_seed(0)
     for rows in (1, 3, 16):
         x = torch.randn(rows, k)
-        want = _reference(x, exact)
+        want = quant_matmul_reference(x, exact)
         got = native.linear(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
@@ -330,7 +330,7 @@ def test_tensor_parallel_shards_of_int8_blocks_are_shards_of_the_weight(name):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from test_tensor_parallel import SMOLLM2_LIKE
+    from tiny_models import SMOLLM2_LIKE
 
     from forklift.model.quantize import _shard_int8_blocks
     from forklift.model.tensor_parallel import TensorParallelShard

@@ -10,8 +10,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import free_port
-from test_cli import forklift_command
+from server_harness import forklift_command, free_port
 from tiny_models import make_tiny_model
 
 BODY = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 8, "ignore_eos": True}

@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
+from kernel_oracles import assert_same_steps
 from lora_adapters import make_adapter
-from test_native_decode_step import _assert_same as assert_same_steps
 from tiny_models import hf_greedy, make_tiny_model
 
 from forklift import LLM, LoRARequest, SamplingParams

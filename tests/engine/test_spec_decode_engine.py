@@ -12,35 +12,12 @@ import random
 from collections import Counter
 
 import pytest
+from spec_oracles import sequences, with_oracle
 from test_engine import BLOCK_BYTES, make_llm
 from tiny_models import VOCAB, make_tiny_model
 
 from forklift import LLM, SamplingParams, StructuredOutputsParams
 from forklift.core.kv_cache_manager import blocks_for_tokens
-
-
-class OracleProposer:
-    """Proposes the known continuation of a sequence, with a token corrupted now and then."""
-
-    def __init__(self, references: list[list[int]], seed: int = 0, corrupt: float = 0.3):
-        self.references = references
-        self.rng = random.Random(seed)
-        self.corrupt = corrupt
-        self.finished: list[str] = []
-
-    def propose(self, request_id, token_ids, max_tokens):
-        length = len(token_ids)
-        for reference in self.references:
-            if len(reference) > length and reference[:length] == list(token_ids):
-                drafts = reference[length : length + self.rng.randint(1, max(max_tokens, 1))]
-                drafts = drafts[:max_tokens]
-                if drafts and self.rng.random() < self.corrupt:
-                    drafts[self.rng.randrange(len(drafts))] = self.rng.randrange(3, VOCAB)
-                return drafts
-        return []
-
-    def finish(self, request_id, output_token_ids):
-        self.finished.append(request_id)
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +34,6 @@ def prompts_of(count: int, seed: int) -> list[list[int]]:
 
 def run(llm: LLM, prompts, params):
     return llm.generate(prompts, params, use_tqdm=False)
-
-
-def sequences(outputs) -> list[list[int]]:
-    return [list(o.prompt_token_ids) + list(c.token_ids) for o in outputs for c in o.outputs]
-
-
-def with_oracle(llm: LLM, references: list[list[int]], **kwargs) -> OracleProposer:
-    engine = llm.llm_engine
-    assert engine.speculation is not None
-    oracle = OracleProposer(references, **kwargs)
-    engine.proposer = oracle
-    return oracle
 
 
 def assert_same(got, expected, logprobs: bool = False) -> None:

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from server_harness import forklift_command
 
 from forklift.chat_session import run_chat
 from forklift.config import EngineConfig
 from forklift.sampling_params import SamplingParams
 
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 2**20)]
-
-
-def forklift_command() -> list[str]:
-    script = Path(sys.executable).with_name("forklift")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("forklift")
-    return [found] if found else [sys.executable, "-m", "forklift"]
 
 
 @pytest.mark.slow
