@@ -132,6 +132,7 @@ async def create_chat_completion(
                 else None,
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
+                **({"token_ids": list(c.token_ids)} if body.return_token_ids else {}),
             }
         )
     return JSONResponse(
@@ -143,6 +144,7 @@ async def create_chat_completion(
             "choices": choices,
             "usage": usage(run.prompt_ids, [output]),
             "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs),
+            **({"prompt_token_ids": run.prompt_ids[0]} if body.return_token_ids else {}),
         }
     )
 
@@ -155,7 +157,7 @@ async def _stream(
     final: RequestOutput | None = None
     parser = make_parser(ctx.tool_call_parser, tools.names if tools else None)
 
-    def chunk(choice: dict[str, Any]) -> str:
+    def chunk(choice: dict[str, Any], prompt_ids: list[int] | None = None) -> str:
         return sse(
             {
                 "id": run.response_id,
@@ -163,6 +165,8 @@ async def _stream(
                 "created": run.created,
                 "model": run.model,
                 "choices": [choice],
+                # vLLM's return_token_ids: the prompt's ids once, on the first chunk.
+                **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}),
             }
         )
 
@@ -179,7 +183,9 @@ async def _stream(
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
-                    }
+                        **({"token_ids": []} if body.return_token_ids else {}),
+                    },
+                    list(output.prompt_token_ids) if body.return_token_ids else None,
                 )
             if tools is not None and tools.parses_calls:
                 streamer = streamers.setdefault(completion.index, ToolCallStreamer(tools, parser))
@@ -216,6 +222,7 @@ def _delta_choice(
     if body.logprobs:
         content = _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
         logprobs = {"content": content}
+    ids = _new_token_ids(body, completion, state)
     state.text_len = len(completion.text)
     state.num_tokens = len(completion.token_ids)
     state.finished = finish is not None
@@ -225,7 +232,17 @@ def _delta_choice(
         "logprobs": logprobs,
         "finish_reason": finish,
         "stop_reason": completion.stop_reason,
+        **ids,
     }
+
+
+def _new_token_ids(
+    body: ChatCompletionRequest, completion: CompletionOutput, state: ChoiceProgress
+) -> dict[str, Any]:
+    """return_token_ids: the tokens since the choice's last chunk (read before `state` moves)."""
+    if not body.return_token_ids:
+        return {}
+    return {"token_ids": list(completion.token_ids[state.num_tokens :])}
 
 
 def _tool_delta_choices(
@@ -247,6 +264,7 @@ def _tool_delta_choices(
         logprobs = {
             "content": _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
         }
+    ids = _new_token_ids(body, completion, state)
     state.num_tokens = len(completion.token_ids)
     choices = [
         {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -254,6 +272,7 @@ def _tool_delta_choices(
     ]
     if choices:
         choices[0]["logprobs"] = logprobs
+        choices[0].update(ids)
     if finish is not None:
         state.finished = True
         choices.append(
@@ -263,6 +282,7 @@ def _tool_delta_choices(
                 "logprobs": None if choices else logprobs,
                 "finish_reason": stream_finish_reason(streamer, finish),
                 "stop_reason": completion.stop_reason,
+                **({} if choices else ids),
             }
         )
     return choices

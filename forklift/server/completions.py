@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -82,6 +82,7 @@ async def create_completion(
                     "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs)
                     if body.prompt_logprobs is not None
                     else None,
+                    **_token_ids(body, run.prompt_ids[prompt_index], completion.token_ids),
                 }
             )
     return JSONResponse(
@@ -208,6 +209,11 @@ def _delta_choice(
     finish = completion.finish_reason
     if not text and finish is None:
         return None
+    ids = _token_ids(
+        body,
+        output.prompt_token_ids if not state.started else None,
+        completion.token_ids[state.num_tokens :],
+    )
     logprobs = None
     if body.logprobs is not None:
         prompt_part = _prompt_logprobs(ctx, body, output) if not state.started else None
@@ -228,7 +234,20 @@ def _delta_choice(
         "logprobs": logprobs,
         "finish_reason": finish,
         "stop_reason": completion.stop_reason,
+        **ids,
     }
+
+
+def _token_ids(
+    body: CompletionRequest, prompt_ids: Sequence[int] | None, token_ids: Sequence[int]
+) -> dict[str, Any]:
+    """A choice's `return_token_ids` fields: its prompt's ids (where given) and its tokens."""
+    if not body.return_token_ids:
+        return {}
+    fields: dict[str, Any] = {"token_ids": list(token_ids)}
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    return fields
 
 
 def _logprobs(

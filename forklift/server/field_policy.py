@@ -61,7 +61,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "use logit_bias, allowed_token_ids, bad_words or structured outputs instead"
     ),
     "return_tokens_as_token_ids": Unsupported("tokens are returned as text", _false),
-    "return_token_ids": Unsupported("token ids are not returned by the HTTP API", _false),
     "kv_transfer_params": Unsupported("there is no disaggregated prefill"),
     "vllm_xargs": Unsupported("there are no extension arguments"),
     "structural_tag": Unsupported("use structured_outputs or tools instead"),

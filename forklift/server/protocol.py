@@ -54,6 +54,9 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # vLLM's: each prompt token's logprob and the top N (`prompt_logprobs` in the response).
     prompt_logprobs: int | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text (streamed: the prompt's
+    # on a choice's first chunk, each chunk's new tokens).
+    return_token_ids: bool = False
 
     def sampling_params(
         self,

@@ -331,6 +331,50 @@ def test_vllms_prompt_logprobs_field_on_both_apis(client, server):
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_return_token_ids_gives_the_ids_the_text_came_from(client, server):
+    """vLLM's return_token_ids: a client can carry a conversation on in token ids (the next
+    turn's prompt is this turn's prompt and output ids), whole or streamed."""
+    tokenizer = server[1].tokenizer
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    kwargs = dict(model=MODEL, prompt=ids, temperature=0, max_tokens=12, n=2)
+    whole = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    for choice in whole.choices:
+        assert choice.model_extra["prompt_token_ids"] == ids
+        output = choice.model_extra["token_ids"]
+        assert len(output) == whole.usage.completion_tokens // 2
+        assert tokenizer.decode(output) == choice.text
+    plain = client.completions.create(**kwargs)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            extra_body={"return_token_ids": True}))  # fmt: skip
+    for index in (0, 1):
+        mine = [c.choices[0].model_extra for c in chunks if c.choices[0].index == index]
+        assert mine[0]["prompt_token_ids"] == ids
+        assert all("prompt_token_ids" not in extra for extra in mine[1:])
+        streamed = [t for extra in mine for t in extra["token_ids"]]
+        assert streamed == whole.choices[index].model_extra["token_ids"]
+
+    body = {"return_token_ids": True, "cache_salt": "token-ids"}
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                          max_tokens=8, extra_body=body)  # fmt: skip
+    prompt_ids = chat.model_extra["prompt_token_ids"]
+    assert len(prompt_ids) == chat.usage.prompt_tokens
+    output = chat.choices[0].model_extra["token_ids"]
+    assert tokenizer.decode(output, skip_special_tokens=True) == chat.choices[0].message.content
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=8, stream=True,
+        extra_body={"return_token_ids": True}))  # fmt: skip
+    assert stream[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for c in stream for t in c.choices[0].model_extra["token_ids"]] == output
+    # The next turn in ids: the cache holds every full block of this turn's prompt and output
+    # (all but the last output token were computed).
+    history = prompt_ids + output
+    follow = client.completions.create(model=MODEL, prompt=history, max_tokens=1, temperature=0,
+                                       extra_body={"cache_salt": "token-ids"})  # fmt: skip
+    assert follow.usage.prompt_tokens == len(history)
+    assert follow.usage.prompt_tokens_details.cached_tokens == (len(history) - 1) // 16 * 16
+
+
 def test_an_unknown_model_is_model_not_found(client):
     """As OpenAI and vLLM answer: 404, code model_not_found (the openai client's
     NotFoundError)."""
