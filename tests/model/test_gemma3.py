@@ -14,6 +14,7 @@ from tiny_models import VOCAB, TinyModel, _save, hf_greedy, hf_teacher_forced
 
 from forklift import LLM, SamplingParams
 from forklift.core.block_pool import NULL_BLOCK_ID
+from forklift.engine.engine import sample_seed
 
 WINDOW = 12
 BLOCK = 4
@@ -101,6 +102,45 @@ def test_prefix_caching_and_shared_samples_match_transformers(tiny):
     assert all(o.num_cached_tokens == 40 for o in rest)  # the system prompt's 10 full blocks
     # Two greedy samples of one prompt share its blocks and both match.
     assert_matches_hf(tiny, batch[:1], greedy(llm, batch[:1], n=2))
+
+
+def test_samples_of_a_prompt_past_the_window_share_the_blocks_it_still_holds(tiny):
+    """n > 1 where the windowed groups have returned the prompt's early blocks before the
+    samples fork (prefilled in chunks, and again from a cached prefix): every sample still
+    starts from the leader's blocks in the step after the prompt, and equals its solo run."""
+    prompt = {"prompt_token_ids": prompts(1, 5, 50, 50)[0]}  # 12 blocks and 2 tokens
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    solo = make_llm(tiny)
+    solo_runs = [
+        solo.generate(prompt, params.clone(n=1, seed=sample_seed(11, i)), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+        for i in range(3)
+    ]
+    llm = make_llm(tiny, enable_prefix_caching=True, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    forks = []  # each sample's tables as it takes the leader's blocks
+    share = engine.kv_manager.share_prefix
+
+    def spy(source_id: str, target_id: str, num_blocks: int) -> None:
+        share(source_id, target_id, num_blocks)
+        forks.append(engine.kv_manager.group_tables(target_id))
+
+    engine.kv_manager.share_prefix = spy
+    for round_ in range(2):  # the second round hits the first's cached blocks
+        engine.step_log.clear()
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+        assert [c.token_ids for c in output.outputs] == solo_runs
+        steps = [(s.num_batched_tokens, s.num_sampled) for s in engine.step_log]
+        # The prompt's chunks (from the hit on the second round), then the leader's decode
+        # beside each sample's last prompt token: no sample computes the prompt itself.
+        prompt_steps = [(16, 0), (16, 0), (16, 0), (2, 1)] if round_ == 0 else [(2, 1)]
+        assert steps[: len(prompt_steps) + 1] == [*prompt_steps, (3, 3)], steps
+        assert engine.num_free_blocks == engine.num_usable_blocks
+    assert len(forks) == 4
+    for full, *windowed in forks:  # the windowed groups had returned the early blocks
+        assert NULL_BLOCK_ID not in full
+        assert all(table[:9] == [NULL_BLOCK_ID] * 9 for table in windowed)
 
 
 # ---- the real file: Gemma 3 270M (base), Q4_K_M ------------------------------------------
