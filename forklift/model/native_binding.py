@@ -26,6 +26,7 @@ from forklift.model.layers.lora_weights import LoRASlots
 from forklift.model.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
+from forklift.model.mtp_layer import MultiTokenPredictor
 from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
 from forklift.native.decode_attention_kernel import CACHE_FORMATS, CODED_CACHE_DTYPES
 from forklift.native.decode_step import (
@@ -229,38 +230,10 @@ class StepBinding:
             if _is_linear_layer(layer):
                 layers.append(self._linear_layer(model, index, keys, values, weight))
                 continue
-            attn, mlp = layer.self_attn, layer.mlp
-            if (keys.dtype != dtype and keys.dtype not in CODED_CACHE_DTYPES) or (
-                values.dtype != keys.dtype
-            ):
-                raise ValueError(
-                    "the native decode step needs the KV cache in the model's dtype or coded"
-                )
-            # Gemma: post_attention_layernorm norms attention's output, and the MLP's input
-            # norm is pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
-            pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
-            cos, sin = local_rope if getattr(layer, "is_sliding", False) else global_rope
-            layers.append(StepLayer(
-                _pointer(layer.input_layernorm.weight),
-                _pointer(pre_mlp.weight),
-                _pointer(attn.q_norm.weight) if attn.q_norm is not None else None,
-                _pointer(attn.k_norm.weight) if attn.k_norm is not None else None,
-                _pointer(attn.qkv_proj.bias),
-                _pointer(attn.o_proj.bias),
-                weight(attn.qkv_proj.quantized, f"{index}.qkv"),
-                weight(attn.o_proj.quantized, f"{index}.o"),
-                weight(mlp.gate_up_proj.quantized, f"{index}.gate_up"),
-                weight(mlp.down_proj.quantized, f"{index}.down"),
-                _pointer(keys),
-                _pointer(values),
-                _pointer(layer.post_attention_layernorm.weight) if gemma else None,
-                _pointer(layer.post_feedforward_layernorm.weight) if gemma else None,
-                _pointer(cos),
-                _pointer(sin),
-                getattr(layer, "kv_group", 0),
-                *(_lora(lin) for lin in _layer_linears(layer)),
-                LAYER_ATTENTION,
-                int(config.attention_output_gate),
+            rope = local_rope if getattr(layer, "is_sliding", False) else global_rope
+            layers.append(_attention_layer(
+                layer, index, (keys, values), dtype, rope, weight, gemma,
+                config.attention_output_gate,
             ))  # fmt: skip
         self._layers = (StepLayer * len(layers))(*layers)
         # A dropped embedding is looked up in the tied head's int8 blocks.
@@ -278,6 +251,11 @@ class StepBinding:
             int(config.mlp_activation == "gelu_tanh"), embed_blocks,
             CACHE_FORMATS[key_cache.dtype], _linear_shape(config),
         )  # fmt: skip
+
+    @property
+    def global_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-attention layers' rotary tables (cos, sin), float32."""
+        return self._ropes[0]
 
     @staticmethod
     def _linear_layer(
@@ -314,6 +292,106 @@ class StepBinding:
                 _pointer(recurrent_states),
             ),  # fmt: skip
         )
+
+
+def _attention_layer(
+    layer: nn.Module,
+    index: int,
+    cache: LayerCache,
+    dtype: torch.dtype,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    weight: Callable[[object, str], StepQuantWeight],
+    gemma: bool,
+    output_gate: bool,
+) -> StepLayer:
+    """An attention decoder layer: its norms, projections (named "<index>.qkv" ...), KV
+    cache, rotary table and LoRA slots."""
+    attn, mlp = layer.self_attn, layer.mlp
+    keys, values = cache
+    if (keys.dtype != dtype and keys.dtype not in CODED_CACHE_DTYPES) or (
+        values.dtype != keys.dtype
+    ):
+        raise ValueError("the native decode step needs the KV cache in the model's dtype or coded")
+    # Gemma: post_attention_layernorm norms attention's output, and the MLP's input norm is
+    # pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
+    pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+    cos, sin = rope
+    return StepLayer(
+        _pointer(layer.input_layernorm.weight),
+        _pointer(pre_mlp.weight),
+        _pointer(attn.q_norm.weight) if attn.q_norm is not None else None,
+        _pointer(attn.k_norm.weight) if attn.k_norm is not None else None,
+        _pointer(attn.qkv_proj.bias),
+        _pointer(attn.o_proj.bias),
+        weight(attn.qkv_proj.quantized, f"{index}.qkv"),
+        weight(attn.o_proj.quantized, f"{index}.o"),
+        weight(mlp.gate_up_proj.quantized, f"{index}.gate_up"),
+        weight(mlp.down_proj.quantized, f"{index}.down"),
+        _pointer(keys),
+        _pointer(values),
+        _pointer(layer.post_attention_layernorm.weight) if gemma else None,
+        _pointer(layer.post_feedforward_layernorm.weight) if gemma else None,
+        _pointer(cos),
+        _pointer(sin),
+        getattr(layer, "kv_group", 0),
+        *(_lora(lin) for lin in _layer_linears(layer)),
+        LAYER_ATTENTION,
+        int(output_gate),
+    )  # fmt: skip
+
+
+class MtpStepBinding:
+    """Qwen3.5's MTP layer as a one-layer step on dense bf16 tiles: the target's embedding
+    and head (its binding's structs, so its packed head serves both), then the layer's
+    input projection over the normed embedding and hidden state, its decoder layer on its
+    own KV cache, and its norm. The target's binding must outlive this one."""
+
+    def __init__(self, mtp: MultiTokenPredictor, target: StepBinding, cache: LayerCache) -> None:
+        if not target.model.head.dense:
+            raise ValueError("the MTP layer's native step runs beside a dense bf16 target")
+        layer = mtp.layers[0]
+        dtype = mtp.fc.weight.dtype
+        dense = {"fc": mtp.fc.weight} | {
+            f"0.{name}": linear.weight
+            for name, linear in zip(_PROJECTIONS, _layer_linears(layer), strict=True)
+        }
+        if any(w.dtype != torch.bfloat16 for w in dense.values()):
+            raise ValueError("the MTP layer's native step needs its weights in bf16")
+        packs, self.dense_buffer = pack_dense_all(list(dense.values()))
+        self._dense = {name: DenseTiles(p, *w.shape)
+                       for (name, w), p in zip(dense.items(), packs, strict=True)}  # fmt: skip
+        self._target = target
+        # The target's fp32 tables: the layer's own were cast to the model's dtype.
+        self._rope = target.global_rope
+
+        def weight(_: object, name: str) -> StepQuantWeight:
+            return _quant_weight(self._dense[name])
+
+        config = mtp.layer_config
+        keys = cache[0]
+        kv_heads, num_blocks, block_size = keys.shape[:3]
+        self._layers = (StepLayer * 1)(
+            _attention_layer(layer, 0, cache, dtype, self._rope, weight, False,
+                             config.attention_output_gate)
+        )  # fmt: skip
+        self.vocab = target.vocab
+        self.hidden = target.hidden
+        self.max_rows: int | None = DENSE_STEP_MAX_ROWS
+        self.num_groups = 1
+        outer = target.model
+        self.model = StepModel(
+            1, config.hidden_size, config.num_heads, kv_heads, config.head_dim,
+            config.intermediate_size, config.vocab_size, config.rotary_dim, num_blocks,
+            block_size, config.rms_norm_eps, layer.self_attn.scale, _DTYPE_FLAGS[dtype],
+            outer.embed, _pointer(mtp.norm.weight), outer.head, self._layers,
+            _NORM_OFFSETS[type(mtp.norm)], 0.0, outer.gelu, outer.embed_blocks,
+            CACHE_FORMATS[keys.dtype], StepLinearShape(), weight(None, "fc"),
+            _pointer(mtp.pre_fc_norm_embedding.weight), _pointer(mtp.pre_fc_norm_hidden.weight),
+        )  # fmt: skip
+
+    @property
+    def target(self) -> StepBinding:
+        return self._target
 
 
 def _linear_shape(config: ModelConfig) -> StepLinearShape:

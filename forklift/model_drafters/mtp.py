@@ -10,6 +10,11 @@ and each further guess feeds the layer's own output back, one position on. The
 K/V of guesses are never trusted later (they came from the layer's output, not the target's
 hidden state): the next call starts again at the target's count. The cache has the target's
 block count and is indexed by the target's block ids, as a draft model's.
+
+Where the target runs the native step on dense bf16 tiles, so does the layer, bound as a
+one-layer model beside it (model/native_binding.py's `MtpStepBinding`: one call a round,
+the target's packed head reused); calls of more rows than that step takes, and every other
+target, run the PyTorch layer.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from forklift.model.llama import LayerCache
 from forklift.model.model_config import ModelConfig
 from forklift.model.model_source import iter_model_weights
 from forklift.model.mtp_layer import MultiTokenPredictor
+from forklift.model.native_binding import MtpStepBinding
 from forklift.runner.memory import kv_block_bytes, module_bytes
 from forklift.runner.model_runner import ModelRunner
 from forklift.spec_decode.proposer import (
@@ -145,6 +151,7 @@ class MtpProposer:
         self.kv_manager = kv_manager
         self.cache: LayerCache | None = None
         self._progress: dict[str, MtpProgress] = {}
+        self._binding: MtpStepBinding | None = None
         runner.keep_hidden_states = True
         # The model's decode kernel serves the layer's decode rows too.
         attention = next(layer for layer in runner.model.layers if layer.is_full_attention)
@@ -156,9 +163,11 @@ class MtpProposer:
         shape = (2, config.num_kv_heads, num_blocks, self.runner.block_size, config.head_dim)
         cache = torch.zeros(shape, dtype=self.mtp.fc.weight.dtype, device=self.runner.device)
         self.cache = (cache[0], cache[1])
+        self._binding = None  # it points into the old cache
 
     def free_cache(self) -> None:
         self.cache = None
+        self._binding = None
         self._progress.clear()
 
     def record_step(self, scheduled: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
@@ -232,14 +241,14 @@ class MtpProposer:
                                       start))  # fmt: skip
             inputs.append(rows)
         last = torch.tensor([c.num_new_tokens for c in chunks]).cumsum(0) - 1
-        outputs = self._forward(chunks, torch.cat(inputs))[last]
+        guessing = [i for i, item in enumerate(live) if item.guesses]
+        outputs, logits = self._forward(chunks, torch.cat(inputs), last[guessing])
         for item in live:  # the catch-up is consumed: guesses never enter the kept K/V
             item.progress.consumed(item.end)
-        guessing = [i for i, item in enumerate(live) if item.guesses]
-        live, outputs = [live[i] for i in guessing], outputs[guessing]
+        live, outputs = [live[i] for i in guessing], outputs[last[guessing]]
         rounds = 0
         while live:
-            tokens = self.runner.model.compute_logits(outputs).argmax(-1).tolist()
+            tokens = logits.argmax(-1).tolist()
             still, kept = [], []
             for index, (item, token) in enumerate(zip(live, tokens, strict=True)):
                 item.drafts.append(token)
@@ -253,20 +262,46 @@ class MtpProposer:
                 self._chunk(item.query, [item.drafts[-1]], item.end + rounds - 1)
                 for item in live
             ]  # fmt: skip
-            outputs = self._forward(chunks, outputs[kept])
+            outputs, logits = self._forward(chunks, outputs[kept], torch.arange(len(chunks)))
 
     def _chunk(self, query: DraftQuery, tokens: Sequence[int], start: int) -> ScheduledChunk:
         table = self.kv_manager.block_table(query.request_id)
         return ScheduledChunk(query.request_id, list(tokens), start, table)
 
-    def _forward(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, logit_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over `chunks` (`hidden`: each row's input state): every row's normed
+        output, and the logits of `logit_rows` (ascending)."""
         assert self.cache is not None
+        ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.int64,
+                           device=self.runner.device)  # fmt: skip
+        binding = self._native_binding()
+        if binding is not None and ids.numel() <= (binding.max_rows or ids.numel()):
+            rows, positions = self.runner.input_builder.row_attention_inputs(chunks)
+            groups = [(rows.slot_mapping, rows.kv_blocks, rows.bias)]
+            output = self.runner.native_step(
+                binding, ids, positions, groups, logit_rows=logit_rows, keep_hidden=True,
+                input_hidden=hidden,
+            )  # fmt: skip
+            assert output.hidden is not None
+            return output.hidden, output.logits
         meta, positions = self.runner.input_builder.attention_inputs(chunks)
-        ids = [t for chunk in chunks for t in chunk.token_ids]
-        embedded = self.runner.model.embed_tokens(
-            torch.tensor(ids, dtype=torch.int64, device=self.runner.device)
-        )
-        return self.mtp(embedded, hidden.to(embedded.dtype), positions, self.cache, meta)
+        embedded = self.runner.model.embed_tokens(ids)
+        outputs = self.mtp(embedded, hidden.to(embedded.dtype), positions, self.cache, meta)
+        return outputs, self.runner.model.compute_logits(outputs[logit_rows])
+
+    def _native_binding(self) -> MtpStepBinding | None:
+        """The layer bound beside the target's native step on dense tiles, bound again when
+        the target's binding changes; None where the PyTorch layer runs."""
+        target = self.runner.backend.binding
+        if self.runner.native_step is None or target is None or not target.model.head.dense:
+            return None
+        if self.mtp.fc.weight.dtype != torch.bfloat16 or self.cache is None:
+            return None
+        if self._binding is None or self._binding.target is not target:
+            self._binding = MtpStepBinding(self.mtp, target, self.cache)
+        return self._binding
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         self._progress.pop(request_id, None)

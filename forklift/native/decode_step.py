@@ -128,6 +128,10 @@ class StepModel(ctypes.Structure):
         ("embed_blocks", StepQuantWeight),
         ("cache_format", ctypes.c_int),
         ("linear", StepLinearShape),
+        # Qwen3.5's MTP layer bound as a model: its input projection and the two norms before it.
+        ("input_fc", StepQuantWeight),
+        ("input_norm_embedding", ctypes.c_void_p),
+        ("input_norm_hidden", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -159,7 +163,7 @@ class NativeDecodeStep:
             ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(_StepGroup), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -199,13 +203,15 @@ class NativeDecodeStep:
         logit_rows: torch.Tensor | None = None,
         keep_hidden: bool = False,
         states: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_hidden: torch.Tensor | None = None,
     ) -> StepOutput:
         """One token per row (a decode row, or one token of a prompt chunk); K/V written in
         place. `groups`: each KV group's (slot mapping, key blocks, mask bias) of the step;
         `row_lora`: each row's LoRA slot (-1: none), or None when no row runs an adapter;
         `logit_rows`: the rows whose logits are wanted, ascending (None: every row);
         `keep_hidden`: also return every row's final normed hidden state; `states`: a
-        hybrid model's per-row state slots (reads, writes: see csrc/gated_deltanet.h)."""
+        hybrid model's per-row state slots (reads, writes: see csrc/gated_deltanet.h);
+        `input_hidden`: an MTP layer's rows' input hidden states [rows, hidden]."""
         rows = input_ids.shape[0]
         limit = binding.max_rows
         if rows <= 0 or (limit is not None and rows > limit):
@@ -245,6 +251,13 @@ class NativeDecodeStep:
             state_rows = (reads.data_ptr(), writes.data_ptr())
         elif binding.model.linear.value_heads:
             raise ValueError("a hybrid model's native step needs its rows' state slots")
+        if input_hidden is not None:
+            input_hidden = input_hidden.to(torch.float32).contiguous()
+            if input_hidden.shape != (rows, binding.hidden):
+                raise ValueError("input_hidden needs one [hidden] row per input id")
+            kept.append(input_hidden)
+        elif binding.model.input_fc.k:
+            raise ValueError("an MTP layer's native step needs its rows' input hidden states")
         logits = torch.empty(logit_rows.numel(), binding.vocab, dtype=torch.float32)
         hidden = torch.empty(rows, binding.hidden, dtype=torch.float32) if keep_hidden else None
         profiling = torch.autograd.profiler._is_profiler_enabled
@@ -254,11 +267,14 @@ class NativeDecodeStep:
                 group_array, logits.data_ptr(), torch.get_num_threads(), self._timings,
                 None if lora_rows is None else lora_rows.data_ptr(), logit_rows.data_ptr(),
                 logit_rows.numel(), None if hidden is None else hidden.data_ptr(), *state_rows,
+                None if input_hidden is None else input_hidden.data_ptr(),
             )  # fmt: skip
         if failed == 2:
             raise RuntimeError("dense bf16 weights bound to a step library without AMX tiles")
         if failed == 3:
             raise ValueError("a state chain cut by a chunk boundary stores its state nowhere")
+        if failed == 4:
+            raise ValueError("an MTP layer's input projection must take 2 x hidden inputs")
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         return StepOutput(logits, hidden)

@@ -226,6 +226,19 @@ class StepInputBuilder:
         meta, positions = self.attention_metadata(starts, query_lens, tables)
         return meta, torch.from_numpy(positions).to(self.device)
 
+    def row_attention_inputs(
+        self, scheduled: list[ScheduledChunk]
+    ) -> tuple[RowAttention, torch.Tensor]:
+        """The native step's row attention (the first KV group's) and positions of the same
+        chunks (`attention_inputs`' for a drafter the native step runs)."""
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        tables = _group_tables(scheduled, len(scheduled), 1)
+        rows, positions = build_row_attention(
+            starts, query_lens, tables, self._group_windows[:1], self.block_size, self.device
+        )
+        return rows[0], torch.from_numpy(positions).to(self.device)
+
 
 def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:
     """Each KV group's block tables as one [rows, width] array (padding rows: the null

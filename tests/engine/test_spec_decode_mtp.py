@@ -58,11 +58,11 @@ def test_mtp_guesses_what_the_layer_computes_over_the_whole_sequence(mtp_model):
     seen = []
     forward = proposer._forward
 
-    def recording(chunks, hidden):
-        out = forward(chunks, hidden)
+    def recording(chunks, hidden, logit_rows):
+        out, logits = forward(chunks, hidden, logit_rows)
         if chunks[0].num_new_tokens > 1:  # a catch-up over a whole prompt
             seen.append((list(chunks[0].token_ids), out[-1].clone()))
-        return out
+        return out, logits
 
     proposer._forward = recording
     for prompt in prompts_of(3, seed=1):
@@ -72,6 +72,44 @@ def test_mtp_guesses_what_the_layer_computes_over_the_whole_sequence(mtp_model):
         assert tokens == prompt[1:] + [output.token_ids[0]]
         expected = reference_first_guess(tiny.hf_model, mtp, prompt + [output.token_ids[0]])
         assert torch.allclose(guessed, expected, atol=1e-4)
+
+
+def test_the_mtp_layer_runs_natively_beside_a_dense_bf16_target(mtp_model):
+    """On AMX the bf16 target runs the native step on dense tiles, and the MTP layer runs
+    beside it in one call a round: each call's outputs are the PyTorch layer's on the same
+    cache to bf16 rounding, with the same guesses almost always. (A dense target runs rows
+    verifying drafts on its PyTorch layers, so its tokens may differ from decoding without
+    speculation in the last bits; the block-weight targets above hold them equal.)"""
+    tiny, _ = mtp_model
+    kwargs = dict(dtype="bfloat16", enable_prefix_caching=False)
+    llm = hybrid_llm(tiny.path, speculative_config=MTP, **kwargs)
+    if not llm.llm_engine.runner.backend.dense_step:
+        pytest.skip("no dense bf16 native step on this CPU (AMX)")
+    proposer = llm.llm_engine.proposer
+    forward, native_binding = proposer._forward, proposer._native_binding
+    deviations, agreements, native_calls = [], [], 0
+
+    def compared(chunks, hidden, logit_rows):
+        nonlocal native_calls
+        saved = [t.clone() for t in proposer.cache]
+        proposer._native_binding = lambda: None
+        want, want_logits = forward(chunks, hidden, logit_rows)
+        proposer._native_binding = native_binding
+        for tensor, before in zip(proposer.cache, saved, strict=True):
+            tensor.copy_(before)
+        native_calls += native_binding() is not None
+        out, logits = forward(chunks, hidden, logit_rows)
+        deviations.append(float((out.float() - want.float()).abs().max()))
+        agreements.extend((logits.argmax(-1) == want_logits.argmax(-1)).tolist())
+        return out, logits
+
+    proposer._forward = compared
+    got = run(llm, prompts_of(4, seed=5), GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in got)
+    assert native_calls == len(deviations) > 0
+    assert max(deviations) < 0.1, deviations
+    assert sum(agreements) >= 0.9 * len(agreements)
+    assert_nothing_held(llm)
 
 
 def test_mtp_drafts_for_sequences_resumed_from_the_prefix_cache(mtp_model):

@@ -106,6 +106,11 @@ typedef struct {
     QuantWeight embed_blocks; /* embed NULL: the embedding is the tied head's q8 blocks */
     int cache_format;        /* the KV cache's CACHE_* (paged_attention.h) */
     LinearShape linear;      /* the linear layers' shape (a hybrid model) */
+    /* Qwen3.5's MTP layer bound as a model: with input_fc set (k = 2 hidden), a row's input
+     * is fc([norm_e(embedding); norm_h(its input hidden state)]), not the embedding alone. */
+    QuantWeight input_fc;
+    const void *input_norm_embedding; /* [hidden] */
+    const void *input_norm_hidden;    /* [hidden] */
 } StepModel;
 
 /* Input i of row n of a q8 block weight (quant_matmul.h's layout): code times its block's
@@ -385,7 +390,8 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                      const int64_t *positions, const StepGroup *groups, float *logits,
                      int num_threads, double *timings, const int64_t *row_lora,
                      const int64_t *logit_rows, int64_t num_logits, float *hidden_out,
-                     const int64_t *state_reads, const int64_t *state_writes) {
+                     const int64_t *state_reads, const int64_t *state_writes,
+                     const float *input_hidden) {
     const double step_started = timings != NULL ? omp_get_wtime() : 0.0;
     const double timed_before = timings != NULL ? timings[0] + timings[1] : 0.0;
     const int64_t hidden = m->hidden, head_dim = m->head_dim;
@@ -399,9 +405,13 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
     int64_t projection = qkv_size;
     for (int64_t l = 0; l < m->num_layers; l++) projection = larger(projection, m->layers[l].qkv.n);
     const int64_t mixed = larger(q_size, channels);
-    const int64_t widest = larger(larger(inter, q_size), larger(hidden, value_size));
+    /* An MTP input's joined rows [rows, 2 hidden] take the MLP's scratch before any layer. */
+    const int64_t joined_width = m->input_fc.k;
+    const int64_t widest =
+        larger(larger(larger(inter, q_size), larger(hidden, value_size)), joined_width);
+    const int64_t mlp_span = larger(3 * inter, joined_width);
     const size_t floats = (size_t)(rows * (2 * hidden + projection + mixed +
-                                           larger(q_size, value_size) + 3 * inter) +
+                                           larger(q_size, value_size) + mlp_span) +
                                    widest);
     /* A model's weights are all dense or all blocks; dense ones need the tiles. */
     const int dense = m->head.dense;
@@ -427,7 +437,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
     float *gated = attended + rows * mixed;       /* [rows, q] gates, or [rows, values] */
     float *gate_up = gated + rows * larger(q_size, value_size); /* [rows, 2 inter] */
     float *activated = gate_up + rows * 2 * inter; /* [rows, inter]; rows run in parallel */
-    float *rest = activated + rows * inter;       /* [widest]: precise weights' residuals */
+    float *rest = gate_up + rows * mlp_span;      /* [widest]: precise weights' residuals */
     const int is_bf16 = m->is_bf16;
     int failed = 0;
 
@@ -449,6 +459,18 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             }
             residual[r * hidden + i] = v;
         }
+    if (joined_width > 0) {
+        float *joined = gate_up;
+#pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_norm(residual + r * hidden, m->input_norm_embedding, hidden, m->eps, is_bf16,
+                     offset, joined + r * joined_width);
+            rms_norm(input_hidden + r * hidden, m->input_norm_hidden, hidden, m->eps, is_bf16,
+                     offset, joined + r * joined_width + hidden);
+        }
+        TIMED(0, step_matmul(&m->input_fc, joined, rows, views, rest, dense_x, residual,
+                             num_threads));
+    }
 
     /* After a failed allocation no later layer runs: its K/V writes would be wrong. */
     for (int64_t l = 0; l < m->num_layers && !failed; l++) {
@@ -625,12 +647,15 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
  * shares its tiles. A hybrid model's linear layers read each row's state_reads and
  * state_writes (gated_deltanet.h; NULL for a model without them). Returns 0, 1 when
  * scratch memory ran out, 2 for dense weights in a build without AMX tiles, 3 for a first
- * row that carries on a row before the step (or a hybrid's rows without state slots). */
+ * row that carries on a row before the step (or a hybrid's rows without state slots), 4
+ * for an MTP layer's step without `input_hidden` (each row's [hidden] input state). */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *positions, const StepGroup *groups, float *logits,
                          int num_threads, double *timings, const int64_t *row_lora,
                          const int64_t *logit_rows, int64_t num_logits, float *hidden_out,
-                         const int64_t *state_reads, const int64_t *state_writes) {
+                         const int64_t *state_reads, const int64_t *state_writes,
+                         const float *input_hidden) {
+    if (m->input_fc.k > 0 && (input_hidden == NULL || m->input_fc.k != 2 * m->hidden)) return 4;
     int64_t num_groups = 1;
     for (int64_t l = 0; l < m->num_layers; l++)
         if (m->layers[l].group + 1 > num_groups) num_groups = m->layers[l].group + 1;
@@ -683,7 +708,8 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                            row_lora == NULL ? NULL : row_lora + first, local_rows, chunk_logits,
                            hidden_out == NULL ? NULL : hidden_out + first * m->hidden,
                            reads == NULL ? NULL : reads + first,
-                           writes == NULL ? NULL : writes + first);
+                           writes == NULL ? NULL : writes + first,
+                           input_hidden == NULL ? NULL : input_hidden + first * m->hidden);
         if (failed) break;
         done_logits += chunk_logits;
     }
