@@ -248,7 +248,7 @@ def plan_kv_cache(
         extra_weight_bytes = draft_runner.weight_bytes
         extra_block_bytes = draft_runner.kv_block_bytes
     elif mtp_layer is not None:
-        extra_weight_bytes = mtp_weight_bytes(mtp_layer)
+        extra_weight_bytes = mtp_weight_bytes(mtp_layer, runner.backend.dense_step)
         extra_block_bytes = mtp_block_bytes(mtp_layer, config.block_size)
     return runner.plan_kv_cache(
         max_num_batched_tokens=config.resolve_max_num_batched_tokens(),

@@ -78,10 +78,13 @@ def load_mtp(
     return mtp
 
 
-def mtp_weight_bytes(mtp: MultiTokenPredictor) -> int:
-    """The layer's parameters and buffers, and its linears' packed copies."""
-    packed = [m.packed_weight for m in mtp.modules() if isinstance(m, Linear)]
-    return module_bytes(mtp) + sum(t.numel() * t.element_size() for t in packed if t is not None)
+def mtp_weight_bytes(mtp: MultiTokenPredictor, dense_step: bool = False) -> int:
+    """The layer's parameters and buffers, and its linears' packed copies: oneDNN's, and
+    with `dense_step` (the target runs dense tiles, so the layer does too) the tiles'."""
+    linears = [m for m in mtp.modules() if isinstance(m, Linear)]
+    packed = [m.packed_weight for m in linears if m.packed_weight is not None]
+    tiles = [m.weight for m in linears] if dense_step else []
+    return module_bytes(mtp) + sum(t.numel() * t.element_size() for t in [*packed, *tiles])
 
 
 def mtp_block_bytes(mtp: MultiTokenPredictor, block_size: int) -> int:
