@@ -47,14 +47,15 @@ def llama_server_process(
     slots: int = 8,
     startup_timeout_s: float = 300.0,
     extra_args: list[str] | None = None,
+    slot_tokens: int = 1024,
 ) -> Iterator[tuple[str, int]]:
     """llama.cpp's server on the same GGUF file, with the settings that are fair to it on a
-    small CPU: `slots` continuous-batching slots of 1,024 tokens each, no prompt cache in RAM,
-    no flash attention (slower at depth on these CPUs), no web UI."""
+    small CPU: `slots` continuous-batching slots of `slot_tokens` tokens each, no prompt cache
+    in RAM, no flash attention (slower at depth on these CPUs), no web UI."""
     port = free_loopback_port()
     command = [
         binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-        "-c", str(1024 * slots), "-np", str(slots), "--cache-ram", "0", "-fa", "off",
+        "-c", str(slot_tokens * slots), "-np", str(slots), "--cache-ram", "0", "-fa", "off",
         "--no-webui", "--host", "127.0.0.1", "--port", str(port), *(extra_args or []),
     ]  # fmt: skip
     with _running(command, port, startup_timeout_s, "llama-server") as started:
