@@ -284,8 +284,8 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
     const RowStrides strides = active >= QUANT_TILE_ROWS && quant_tiles_usable()
                                    ? even_row_strides(views, active)
                                    : none;
-#else
-    const RowStrides strides = {0, 0, 0, 0};
+#elif defined(FORKLIFT_PAIRED_GROUPS)
+    const RowStrides strides = {0, 0, 0, 0}; /* no tiles: pairs by dot products only */
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
