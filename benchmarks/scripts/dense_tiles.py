@@ -1,4 +1,4 @@
-"""Dense bf16 matmuls on AMX tiles (forklift/native/csrc/dense_matmul.h) against oneDNN's
+"""Dense bf16 matmuls on AMX tiles (forklift/native/csrc/dense_matmul_amx.h) against oneDNN's
 packed bf16 linear (what the PyTorch layers run), side by side in one process: the default
 model's 30 layers of projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
 each layer its own weights, so they stream from memory as in a decode step) and its 49152x576

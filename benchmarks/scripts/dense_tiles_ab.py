@@ -1,4 +1,4 @@
-"""The dense bf16 tile matmul (forklift/native/csrc/dense_matmul.h) of this tree against the
+"""The dense bf16 tile matmul (forklift/native/csrc/dense_matmul_amx.h) of this tree against the
 one of a git revision, side by side in one process: the default model's shapes as
 `dense_tiles.py` runs them (30 layers of projections streaming from memory, then the LM
 head), each library's call alternating round by round at 1 to 64 rows. Writes

@@ -31,7 +31,7 @@ BUILDS = {"native": native_arch_flags(), "avx2": ("-march=x86-64-v3", "-mtune=na
 
 
 def _default_distance(build: str, flags: list[str]) -> int:
-    """PREFETCH_BLOCKS in csrc/quant_matmul.h: 64 where the build has AVX-512 VNNI, else 32."""
+    """PREFETCH_BLOCKS in csrc/isa/isa.h: 64 where the build has AVX-512 VNNI, else 32."""
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
     return 64 if build == "native" and vnni else 32
 

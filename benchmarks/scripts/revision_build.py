@@ -14,13 +14,16 @@ CSRC = "forklift/native/csrc"
 
 
 def checkout_sources(revision: str, into: Path) -> Path:
-    """The revision's native sources (every file of its csrc folder) written into `into`."""
+    """The revision's native sources (every file of its csrc folder, subfolders such as isa/
+    included) written into `into`."""
     into.mkdir(parents=True)
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    listing = ["git", "ls-tree", "-r", "--name-only", f"{revision}:{CSRC}"]
+    names = subprocess.run(listing, cwd=ROOT, check=True, capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
     for name in names:
         text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT,
                               check=True, capture_output=True).stdout  # fmt: skip
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
         (into / name).write_bytes(text)
     return into
 

@@ -408,7 +408,7 @@ def _linear_shape(config: ModelConfig) -> StepLinearShape:
 # PIECE_MAX_ROWS and STEP_CHUNK_ROWS).
 _PIECE_MAX_ROWS = 32
 _STEP_CHUNK_ROWS = 256
-# Positions of one attention chunk (csrc/attention_tiles.h's ATTENTION_CHUNK).
+# Positions of one attention chunk (csrc/paged_attention_avx512.h's ATTENTION_CHUNK).
 _ATTENTION_CHUNK = 1024
 
 

@@ -72,9 +72,11 @@ def compile_flags(arch: tuple[str, ...] | None = None) -> tuple[str, ...]:
 
 
 def _sources(name: str) -> bytes:
-    """The kernel's source and every header beside it (a kernel may include them)."""
+    """The kernel's source and every header under csrc, isa/ included (a kernel may include
+    any of them): each header's path and text, so an edited or moved header rebuilds."""
     parts = [(NATIVE_SOURCE_DIR / f"{name}.c").read_bytes()]
-    parts += [h.read_bytes() for h in sorted(NATIVE_SOURCE_DIR.glob("*.h"))]
+    for header in sorted(NATIVE_SOURCE_DIR.rglob("*.h")):
+        parts += [header.relative_to(NATIVE_SOURCE_DIR).as_posix().encode(), header.read_bytes()]
     return b"\0".join(parts)
 
 

@@ -1,4 +1,4 @@
-"""The native decode step on dense bf16 weights (AMX tiles, csrc/dense_matmul.h): what an RL
+"""The native decode step on dense bf16 weights (AMX tiles, csrc/dense_matmul_amx.h): what an RL
 rollout runs, its weights pushed in unquantized. The tile matmul equals a bf16 x bf16 product
 accumulated in fp32; the step it runs is at least as close to an fp32 model as the PyTorch
 bf16 layers are (it keeps activations in fp32 between operations), follows weight updates,

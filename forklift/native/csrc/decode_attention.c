@@ -1,6 +1,6 @@
 /* Decode attention (paged_attention.h) as one exported call: q and out in bf16 or fp32
  * (io_bf16), the cache in bf16, fp32 or coded rows (format: a CACHE_* value). */
-#include "attention_tiles.h"
+#include "paged_attention.h"
 
 /* Returns 0 on success, 1 when a task's scratch buffer could not be allocated. */
 int forklift_decode_attention(const void *q, const void *key_cache, const void *value_cache,

@@ -20,7 +20,7 @@
  * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
  * the calling thread below ROW_PARALLEL_MIN rows, on every thread from there.
  */
-#include "attention_tiles.h"
+#include "paged_attention.h"
 #include "dense_matmul.h"
 #include "gated_deltanet.h"
 #include "quant_matmul.h"

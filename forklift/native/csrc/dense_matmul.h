@@ -10,8 +10,8 @@
  *
  * Activations are rounded to bf16 (as PyTorch's bf16 layers hold them) into rows of a
  * zero-padded scratch; the products accumulate in fp32 tiles. Compiled only where the target has
- * AMX-BF16 (and AVX512-BF16, for the rounding); `dense_tiles_available` also needs the
- * kernel to have granted this process the tile state.
+ * AMX-BF16 (and AVX512-BF16, for the rounding): dense_matmul_amx.h; `dense_tiles_available`
+ * also needs the kernel to have granted this process the tile state.
  */
 #ifndef FORKLIFT_DENSE_MATMUL_H
 #define FORKLIFT_DENSE_MATMUL_H
@@ -26,139 +26,12 @@ static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
     return (rows + 15) / 16 * 16 * ((k + 31) / 32 * 32);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define FORKLIFT_DENSE_TILES 1
-
-/* Tiles 0-3: fp32 sums (rows 16 m .. of the pair, outputs 16 c .. of the pair: tile 2 m + c);
- * 4, 5: activations of the pair's two row tiles; 6, 7: the two output blocks' weight tiles.
- * Each loaded tile serves two products (the 2 x 2 blocking that keeps the tile unit busy).
- * All tiles 16 rows of 64 bytes. */
-static inline void dense_configure(void) {
-    AmxTileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* Weight tiles ahead of the ones multiplied that a pass of two row tiles fetches into L2 as
- * it goes: such a pass has enough products per weight byte to hide the fetch (32 and 64 rows
- * ran 9% and 5% faster over the default model's layers); one row tile waits on memory
- * either way. */
-#define DENSE_PREFETCH_TILES 8
-
-/* Two blocks of 16 outputs (their tiles `first`, `second`, k_tiles each) against one or two
- * tiles of 16 activation rows (x: bf16 rows of `stride` elements); the sums of tile
- * 2 m + c into sums[2 m + c] ([16][16], contiguous: tile stores to scattered output rows
- * cost a third of the time). `fetch`: prefetch the weights ahead (their first pass). */
-static inline __attribute__((always_inline)) void dense_pair(
-    const uint16_t *first, const uint16_t *second, int64_t k_tiles, const uint16_t *x,
-    int64_t stride, int m_tiles, float (*sums)[256], int fetch) {
-    const size_t row_bytes = (size_t)stride * 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (m_tiles > 1) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t t = 0; t < k_tiles; t++) {
-        if (fetch) {
-            /* Near a block's end the addresses run on into the tiles after it (the second
-             * block's, the next pair's, or past the buffer: a prefetch never faults, and the
-             * addresses are formed as integers, not as pointers past the array). */
-            const uintptr_t ahead = (uintptr_t)(t + DENSE_PREFETCH_TILES) * 1024;
-            const uintptr_t a = (uintptr_t)first + ahead, b = (uintptr_t)second + ahead;
-            for (uintptr_t line = 0; line < 1024; line += 64) {
-                __builtin_prefetch((const void *)(a + line), 0, 2);
-                __builtin_prefetch((const void *)(b + line), 0, 2);
-            }
-        }
-        _tile_loadd(6, first + t * 512, 64);
-        _tile_loadd(4, x + 32 * t, row_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        if (m_tiles > 1) _tile_loadd(5, x + 16 * stride + 32 * t, row_bytes);
-        _tile_loadd(7, second + t * 512, 64);
-        if (m_tiles > 1) _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (m_tiles > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, sums[0], 64);
-    _tile_stored(1, sums[1], 64);
-    if (m_tiles > 1) {
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
-    }
-}
-
-/* Row r of xb [padded rows, k_padded]: x's row r [k] fp32 rounded to bf16, zeros past k;
- * all zeros for a padding row (r >= rows). */
-static inline void dense_round_row(const float *x, int64_t r, int64_t rows, int64_t k,
-                                   int64_t k_padded, uint16_t *xb) {
-    uint16_t *row = xb + r * k_padded;
-    const int64_t filled = r < rows ? k : 0;
-    if (filled) round_to_bf16(x + r * k, k, row);
-    memset(row + filled, 0, sizeof(uint16_t) * (size_t)(k_padded - filled));
-}
-
-/* out [rows, n] = x [rows, k] @ W.T for packed W (n, k its real sizes). `xb`: scratch of
- * dense_scratch_elements(rows, k) bf16. Pairs of output blocks are split among the threads;
- * each pair's weights come from memory for the first 32 rows and from L2 for the rest. */
-static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t k,
-                                     const float *x, int64_t rows, uint16_t *xb, float *out,
-                                     int num_threads) {
-    const int64_t k_padded = (k + 31) / 32 * 32, k_tiles = k_padded / 32;
-    const int64_t pairs = (n + 31) / 32;
-    const int64_t padded_rows = (rows + 15) / 16 * 16;
-#pragma omp parallel num_threads(num_threads)
-    {
-        /* The rows are rounded on every thread (at 64 rows, on one they took a seventh of
-         * an RL rollout's matmul time); the loop's barrier lets no product start early. */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < padded_rows; r++) dense_round_row(x, r, rows, k, k_padded, xb);
-        dense_configure();
-        float sums[4][256] __attribute__((aligned(64)));
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (pairs + threads - 1) / threads;
-        const int64_t begin = id * per < pairs ? id * per : pairs;
-        const int64_t end = begin + per < pairs ? begin + per : pairs;
-        for (int64_t j = begin; j < end; j++) {
-            const uint16_t *first = packed + 2 * j * k_tiles * 512;
-            const uint16_t *second = first + k_tiles * 512;
-            const int64_t col = 32 * j;
-            /* Lanes of each 16-output block that exist (n need not be a multiple of 32). */
-            __mmask16 lanes[2];
-            for (int c = 0; c < 2; c++) {
-                const int64_t width = n - col - 16 * c;
-                lanes[c] = width >= 16 ? 0xffff : width <= 0 ? 0 : (__mmask16)((1u << width) - 1);
-            }
-            for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-                const int64_t pass_rows = rows - r0 < 32 ? rows - r0 : 32;
-                const uint16_t *xp = xb + r0 * k_padded;
-                if (pass_rows > 16)
-                    dense_pair(first, second, k_tiles, xp, k_padded, 2, sums, r0 == 0);
-                else
-                    dense_pair(first, second, k_tiles, xp, k_padded, 1, sums, 0);
-                for (int64_t r = 0; r < pass_rows; r++)
-                    for (int c = 0; c < 2; c++) {
-                        const float *row = sums[2 * (r / 16) + c] + (r % 16) * 16;
-                        _mm512_mask_storeu_ps(out + (r0 + r) * n + col + 16 * c, lanes[c],
-                                              _mm512_load_ps(row));
-                    }
-            }
-        }
-        _tile_release();
-    }
-}
-#endif
-
-/* 1 where the tiles compiled in and the kernel grants this process their state. */
-static inline int dense_tiles_available(void) {
+/* The tiles' kernel (dense_matmul_rows, dense_tiles_available) where this build has
+ * AMX-BF16 (isa/isa.h's FORKLIFT_DENSE_TILES); elsewhere no dense weight runs natively. */
 #if defined(FORKLIFT_DENSE_TILES)
-    return amx_tiles_granted();
+#include "dense_matmul_amx.h"
 #else
-    return 0;
+static inline int dense_tiles_available(void) { return 0; }
 #endif
-}
 
 #endif

@@ -28,20 +28,6 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
-/* Sixteen floats as one vector (GCC and clang vector extensions; the compiler splits it
- * into two halves on AVX2). */
-typedef float float16_vector __attribute__((vector_size(64)));
-typedef int32_t int16_vector __attribute__((vector_size(64)));
-#if defined(__clang__)
-#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(v, ...) __builtin_shuffle(v, (int16_vector){__VA_ARGS__})
-#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (int16_vector){__VA_ARGS__})
-#endif
-
-typedef uint16_t uint16_16_vector __attribute__((vector_size(32)));
-
 /* Sixteen bf16 values widened to fp32 (a zero-extend and a shift, no trip through memory). */
 static inline float16_vector widen_bf16(const uint16_t *src) {
     uint16_16_vector raw;
@@ -49,19 +35,6 @@ static inline float16_vector widen_bf16(const uint16_t *src) {
     const int16_vector bits = __builtin_convertvector(raw, int16_vector) << 16;
     return (float16_vector)bits;
 }
-
-/* Element-wise work (exp, sigmoid) runs on vectors of one register: sixteen lanes with
- * AVX-512, eight below it, where GCC lowers 16-lane arithmetic through the stack (measured
- * 5x slower on AVX2). */
-#if defined(__AVX512F__)
-#define LANES 16
-typedef float lane_vector __attribute__((vector_size(64)));
-typedef int32_t lane_int_vector __attribute__((vector_size(64)));
-#else
-#define LANES 8
-typedef float lane_vector __attribute__((vector_size(32)));
-typedef int32_t lane_int_vector __attribute__((vector_size(32)));
-#endif
 
 /* exp_nonpositive on LANES lanes at once, lanes holding -inf giving exactly 0: the same
  * polynomial, with n rounded to nearest (even) instead of floor(x log2 e + 1/2), which
@@ -152,12 +125,6 @@ static inline uint8_t fp8_encode(float v, int format) {
     }
     return sign | (uint8_t)(code > largest ? largest : code);
 }
-
-#if defined(__clang__)
-#define LANE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define LANE_SHUFFLE(v, ...) __builtin_shuffle(v, (lane_int_vector){__VA_ARGS__})
-#endif
 
 /* One butterfly level inside a vector: lane l pairs with lane l ^ span; the lower lane
  * keeps a + b, the upper a - b (partner + sign * own: the same sums as one by one). */
@@ -259,40 +226,13 @@ static inline void quantize_cache_row(const float *x, int64_t n, char *dst, int 
     memcpy(dst + n, &scale, sizeof scale);
 }
 
-typedef int8_t int8_16_vector __attribute__((vector_size(16)));
-
-/* Sixteen int8 codes widened to fp32: a sign extension and a conversion per register
- * (GCC lowers the generic vector conversion to sixteen scalar extensions: 2.5x slower). */
-static inline float16_vector widen_int8(const int8_t *src) {
-#if defined(__AVX512F__)
-    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
-    return (float16_vector)_mm512_cvtepi32_ps(wide);
-#elif defined(__AVX2__)
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-    const __m256 high =
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
-    float16_vector out;
-    memcpy(&out, &low, sizeof low);
-    memcpy((char *)&out + sizeof low, &high, sizeof high);
-    return out;
-#else
-    int8_16_vector raw;
-    memcpy(&raw, src, sizeof raw);
-    return __builtin_convertvector(raw, float16_vector);
-#endif
-}
-
-/* Sixteen codes of a coded row widened to fp32 (to be multiplied by coded_row_scale): int8
- * as above, fp8 through their fp16 bits and the F16C conversion. */
+/* Sixteen codes of a coded row widened to fp32 (to be multiplied by coded_row_scale): the
+ * instruction set's int8 widening (isa/), and its fp8 one where it has one (F16C's vector
+ * conversion from fp16 bits), else code by code. */
 static inline float16_vector widen_codes(const char *src, int format) {
     if (format == CACHE_INT8) return widen_int8((const int8_t *)src);
-#if defined(__AVX512F__)
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-    const __m256i half = format == CACHE_FP8_E5M2
-        ? _mm256_slli_epi16(bytes, 8)
-        : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
-                          _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7));
-    return (float16_vector)_mm512_cvtph_ps(half);
+#if defined(FORKLIFT_HAS_WIDEN_FP8)
+    return widen_fp8((const uint8_t *)src, format == CACHE_FP8_E5M2);
 #else
     float16_vector out;
     for (int l = 0; l < 16; l++) out[l] = code_value(src, l, format);
@@ -303,8 +243,6 @@ static inline float16_vector widen_codes(const char *src, int format) {
 /* The dot product of two rows of n floats, eight lanes at a time in two accumulators
  * (vectors of a width every x86-64-v3 CPU holds in one register: GCC lowers wider generic
  * vectors through memory there: a dot product measured 5x slower on AVX2). */
-typedef float float8_vector __attribute__((vector_size(32)));
-
 static inline float vector_dot(const float *a, const float *b, int64_t n) {
     float8_vector even = {0}, odd = {0};
     int64_t i = 0;
@@ -439,14 +377,11 @@ static inline __attribute__((always_inline)) void score_four(
         const float *qj = queries + j * head_dim;
         const float *b = row_bias[j / group];
         float score[4];
-#if !defined(__AVX512F__)
-        if (head_dim % 16 == 0) {
+        if (LANES < 16 && head_dim % 16 == 0) {
             /* Without 512-bit registers the 16-lane sums below go through the stack: eight
              * lanes a register, each key's sum added in one fixed order. */
             for (int p = 0; p < 4; p++) score[p] = vector_dot(qj, keys + p * head_dim, head_dim);
-        } else
-#endif
-        if (head_dim % 16 == 0) {
+        } else if (head_dim % 16 == 0) {
             float16_vector a[4] = {{0}};
             for (int64_t c = 0; c < chunks; c++) {
                 float16_vector q;
@@ -623,5 +558,11 @@ static inline __attribute__((always_inline)) int attend_one(
                        kv_heads, num_blocks, block_size, head_dim, table_width, scale, format,
                        io_bf16);
 }
+
+/* The tiled form where this build has it (isa/isa.h's ATTENTION_TILES): tiles_cover says
+ * which caches it serves. */
+#if defined(ATTENTION_TILES)
+#include "paged_attention_avx512.h"
+#endif
 
 #endif

@@ -1,6 +1,7 @@
-/* Decode attention in tiles of sixteen positions, on AVX-512, for a bf16 or coded cache and
- * head sizes of 64, 128 or 256: the form the decode step and the per-layer kernel run
- * where it builds (paged_attention.h's attend_rows is the fallback everywhere else).
+/* Decode attention in tiles of sixteen positions, on AVX-512 (ATTENTION_TILES), for a bf16
+ * or coded cache and head sizes of 64, 128 or 256: the form the decode step and the
+ * per-layer kernel run where it builds (paged_attention.h's attend_rows is the fallback
+ * everywhere else, and the header that includes this one).
  *
  * A task is one KV head of a run of rows reading the same blocks (a decode row, or the rows
  * verifying a sequence's drafts), over one range of positions. Tiles are aligned to sixteen
@@ -20,13 +21,10 @@
  * The chunks are fixed by position, not by the batch, so a row's result is the same whatever
  * rows share its step.
  */
-#ifndef FORKLIFT_ATTENTION_TILES_H
-#define FORKLIFT_ATTENTION_TILES_H
+#ifndef FORKLIFT_PAGED_ATTENTION_AVX512_H
+#define FORKLIFT_PAGED_ATTENTION_AVX512_H
 
 #include "paged_attention.h"
-
-#if defined(__AVX512F__)
-#define ATTENTION_TILES 1
 
 /* Positions per chunk, a task's share of a long context (256 KB of K and V per KV head at a
  * head size of 64). Chunks of 256 measured slower at 564 positions: their partial results
@@ -100,13 +98,12 @@ static inline __attribute__((always_inline)) void finish_scores(
     *max_lanes = (float16_vector)(((int16_vector)s & higher) | ((int16_vector)*max_lanes & ~higher));
 }
 
-#if defined(__AVX512BF16__)
+#if defined(SCORE_FROM_BF16)
 /* Every query vector's scores at one tile (positions t0 .. t0 + 15) straight from the bf16
  * key rows: vdpbf16ps multiplies two dimensions a lane against the query rounded to bf16
  * (as PyTorch's bf16 layers hold it; the native step's fp32 queries take that rounding
  * here), so no key row is widened. A coded tile's rows come as their codes in bf16 (exact)
  * with `row_scales` applied to the dot products (NULL for a bf16 cache). */
-#define SCORE_FROM_BF16 1
 static inline __attribute__((always_inline)) void score_tile(
     const uint16_t *queries, int64_t count, const uint16_t *const *rows,
     const float *const *query_bias, int64_t t0, int64_t end, float scale, int64_t head_dim,
@@ -501,5 +498,4 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
     return failed;
 }
 
-#endif /* __AVX512F__ */
 #endif

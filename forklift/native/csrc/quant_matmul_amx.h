@@ -1,0 +1,116 @@
+/* The quantized matmul on AMX-INT8 tiles from 16 activation rows (quant_matmul.h has the
+ * layout): per block one tile product of the rows' codes by a pair of row groups' unpacked
+ * codes (quant_matmul_avx512.h), scaled as the pairs' dot products are. */
+#ifndef FORKLIFT_QUANT_MATMUL_AMX_H
+#define FORKLIFT_QUANT_MATMUL_AMX_H
+
+#define QUANT_TILE_ROWS 16
+
+/* Tiles 0, 1: a block's int32 sums (16 rows x 16 outputs), even and odd blocks; 2, 3: the
+ * rows' codes of the block (16 x 32 bytes); 4, 5: the pair's unpacked codes (8 x 64 bytes,
+ * vector c of unpack_pair_block as row c: the B operand's layout of four inputs per
+ * output). */
+static inline void quant_tiles_configure(void) {
+    AmxTileConfig config = {.palette = 1};
+    for (int t = 0; t < 2; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+        config.colsb[2 + t] = 32;
+        config.rows[2 + t] = 16;
+        config.colsb[4 + t] = 64;
+        config.rows[4 + t] = 8;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Block b's tile product into sum tile `sum` from the rows' and the codes' tiles (tile
+ * numbers are the instruction's immediates: literals only). The empty asm orders the
+ * stores of `packed` before its tile load, which the compiler does not see reading memory. */
+#define QUANT_TILE_PRODUCT(sum, rows_tile, codes_tile, rows_codes, stride, packed)              \
+    do {                                                                                        \
+        __asm__ volatile("" ::: "memory");                                                      \
+        _tile_zero(sum);                                                                        \
+        _tile_loadd(rows_tile, rows_codes, stride);                                             \
+        _tile_loadd(codes_tile, packed, 64);                                                    \
+        _tile_dpbsud(sum, rows_tile, codes_tile);                                               \
+    } while (0)
+
+/* Sixteen activation rows against groups g and g + 1 on AMX-INT8 (tiles as
+ * quant_tiles_configure sets them): one tile product per block (`tdpbsud`, the rows' signed
+ * codes by the pair's unsigned ones) gives each row's sixteen int32 block sums, the integers
+ * group_pair_tile's dot products sum, and each row's sums then go through scale_block_sums:
+ * the result is group_pair_tile's bit for bit, with a third of its instructions per row.
+ * Pipelined: block b's product runs while block b - 1's sums are stored and block b - 2's
+ * are scaled, so no step waits on the one before it. The rows' codes lie `stride` bytes
+ * apart. sums[r * 16 + i]. */
+static inline __attribute__((always_inline)) void group_pair_tiles(
+    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
+    RowStrides stride, float *sums, int is_q4, const uint8_t *unpacked) {
+    uint8_t codes_tile[2][512] __attribute__((aligned(64)));
+    /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
+     * by then the slot's previous block has been scaled. */
+    int32_t block_sums[2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
+    __m512 acc[QUANT_TILE_ROWS];
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks + 2; b++) {
+        if (b < blocks) {
+            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
+            if (unpacked == NULL) store_pair_block(codes0, codes1, b, is_q4, codes_tile[b & 1]);
+            if (b & 1)
+                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride.q, tile);
+            else
+                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride.q, tile);
+        }
+        if (b >= 1 && b - 1 < blocks) {
+            if ((b - 1) & 1)
+                _tile_stored(1, block_sums[(b - 1) % 2], 64);
+            else
+                _tile_stored(0, block_sums[(b - 1) % 2], 64);
+        }
+        if (b >= 2) {
+            const int64_t done = b - 2;
+            const int32_t *done_sums = block_sums[done % 2];
+            const __m512 wd = pair_scales(d0, d1, done);
+            const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
+            /* Each row's scales found by its stride: the rows' pointers would be reloaded
+             * per block (the tile asm clobbers memory). */
+            const float *xd = x[0].xd + done, *xs = x[0].xs + done;
+            const int32_t *offset = x[0].offset + done;
+            for (int r = 0; r < QUANT_TILE_ROWS; r++)
+                acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
+                                          xd + r * stride.xd, xs + r * stride.xs,
+                                          offset + r * stride.offset, is_q4);
+        }
+    }
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
+#undef QUANT_TILE_PRODUCT
+
+/* How far apart consecutive rows of x[0..count - 1] (count >= 2) lie when every field's
+ * rows are evenly spaced, the codes in ascending order (one tile load reads any sixteen of
+ * them): bytes for the codes, elements for the scales; all 0 otherwise. */
+static inline RowStrides even_row_strides(const QuantizedRow *x, int64_t count) {
+    const RowStrides none = {0, 0, 0, 0};
+    const RowStrides stride = {x[1].q - x[0].q, x[1].xd - x[0].xd, x[1].xs - x[0].xs,
+                               x[1].offset - x[0].offset};
+    for (int64_t r = 2; r < count; r++)
+        if (x[r].q - x[r - 1].q != stride.q || x[r].xd - x[r - 1].xd != stride.xd ||
+            x[r].xs - x[r - 1].xs != stride.xs || x[r].offset - x[r - 1].offset != stride.offset)
+            return none;
+    return stride.q > 0 ? stride : none;
+}
+
+/* 1 where this process may use the tiles; asked of the kernel once (the answer never
+ * changes), since every matmul of 16 rows or more needs it. */
+static inline int quant_tiles_usable(void) {
+    static int usable = -1; /* -1: not asked yet; threads that race store the same answer */
+    int known = __atomic_load_n(&usable, __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = amx_tiles_granted();
+        __atomic_store_n(&usable, known, __ATOMIC_RELAXED);
+    }
+    return known;
+}
+
+#endif

@@ -1,0 +1,57 @@
+/* The quantized matmul's eight-output kernel on AVX2 (quant_matmul.h has the layout), also
+ * AVX-512's for a row group without a partner: 256-bit integer dot products (isa/avx2.h's
+ * dot_accumulate: vpmaddubsw + vpmaddwd, or vpdpbusd with AVX512-VNNI/VL). */
+#ifndef FORKLIFT_QUANT_MATMUL_AVX2_H
+#define FORKLIFT_QUANT_MATMUL_AVX2_H
+
+/* Eight output rows (one row group) against `rows` activation rows, at most 4 at a time
+ * so the sums stay in registers; sums[r * 8 + i] receives row group lane i. */
+static inline __attribute__((always_inline)) void group_tile(
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t blocks,
+    const QuantizedRow *x, int rows, float *sums, int is_q4) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+    /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
+    __m256 acc[4], offsets[4];
+    for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * block_bytes;
+        for (int64_t line = 0; line < block_bytes; line += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line);
+        __m256i w[8], signs[8];
+        if (is_q4) {
+            const __m256i low = _mm256_set1_epi8(0x0f);
+            for (int c = 0; c < 4; c++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+                w[c] = _mm256_and_si256(packed, low);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            }
+        } else { /* signed by signed as |w| by (x with w's sign) */
+            for (int c = 0; c < 8; c++) {
+                signs[c] = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+                w[c] = _mm256_sign_epi8(signs[c], signs[c]);
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+        const __m256 wm = is_q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)))
+                                : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+            __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += 2) {
+                __m256i x0 = _mm256_set1_epi32(xq[c]), x1 = _mm256_set1_epi32(xq[c + 1]);
+                if (!is_q4) {
+                    x0 = _mm256_sign_epi8(x0, signs[c]);
+                    x1 = _mm256_sign_epi8(x1, signs[c + 1]);
+                }
+                even = dot_accumulate(even, w[c], x0);
+                odd = dot_accumulate(odd, w[c + 1], x1);
+            }
+            const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+            acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
+            if (is_q4) offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
+}
+
+#endif

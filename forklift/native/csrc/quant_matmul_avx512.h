@@ -1,0 +1,146 @@
+/* The quantized matmul's AVX-512 kernels (quant_matmul.h has the layout): activation rows
+ * quantized sixteen values a vector, and with VNNI (FORKLIFT_PAIRED_GROUPS) two row groups
+ * at once in 512-bit registers, whose unpacked blocks and scaling the AMX-INT8 tiles
+ * (quant_matmul_amx.h) share. */
+#ifndef FORKLIFT_QUANT_MATMUL_AVX512_H
+#define FORKLIFT_QUANT_MATMUL_AVX512_H
+
+/* quantize_row's work on AVX-512, each block of 32 as two vectors: the same operations on
+ * the same values (the largest magnitude, one division, one reciprocal, a product rounded
+ * before the rounding constant is added), so the same codes, scales and sums bit for bit; a
+ * prefill chunk spent a tenth of its time quantizing rows one value at a time. */
+static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow row) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
+                                                              _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f;
+        const __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const __m512i q_lo = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic));
+        const __m512i q_hi = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic));
+        _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(q_lo));
+        _mm_storeu_si128((__m128i *)(row.q + b * QK + 16), _mm512_cvtepi32_epi8(q_hi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+        row.xd[b] = d;
+        row.xs[b] = d * (float)sum;
+        row.offset[b] = 128 * sum;
+    }
+}
+
+/* quantize_row on AVX-512: quantize_row_vectors, not contracted either (as the plain
+ * form, quant_matmul_plain.h). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
+    quantize_row_vectors(x, k, row);
+}
+
+#if defined(FORKLIFT_PAIRED_GROUPS)
+#define PAIR_TILE_ROWS 8
+/* Block b of groups g and g + 1 (`first`, `second`) as eight vectors: vector c, lane i holds
+ * the four codes of inputs 4c..4c + 3 for output i of group g (lanes 0-7) or of group g + 1
+ * (lanes 8-15), unsigned (q8 codes as w + 128). */
+static inline __attribute__((always_inline)) void unpack_pair_block(
+    const uint8_t *first, const uint8_t *second, int is_q4, __m512i w[8]) {
+#define BOTH_GROUPS(offset)                                                                   \
+    _mm512_inserti64x4(                                                                       \
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + (offset)))),      \
+        _mm256_loadu_si256((const __m256i *)(second + (offset))), 1)
+    if (is_q4) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m512i packed = BOTH_GROUPS(32 * c);
+            w[c] = _mm512_and_si512(packed, low);
+            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+    } else { /* signed codes as unsigned w + 128, the surplus 128 * sum(x) taken off */
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(BOTH_GROUPS(32 * c), bias);
+    }
+#undef BOTH_GROUPS
+}
+
+/* Block b of groups g and g + 1 (their codes from `codes0`, `codes1`) unpacked as
+ * unpack_pair_block does, the two streams fetched PREFETCH_BLOCKS ahead. */
+static inline __attribute__((always_inline)) void fetch_pair_block(
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, __m512i w[8]) {
+    const int64_t block_bytes = is_q4 ? 128 : 256;
+    const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64) {
+        __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
+        __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
+    }
+    unpack_pair_block(first, second, is_q4, w);
+}
+
+/* Block b of groups g and g + 1 unpacked as fetch_pair_block does, stored as the tiles read
+ * it: 512 bytes at `dst`. */
+static inline __attribute__((always_inline)) void store_pair_block(
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, uint8_t *dst) {
+    __m512i w[8];
+    fetch_pair_block(codes0, codes1, b, is_q4, w);
+    for (int c = 0; c < 8; c++) _mm512_store_si512(dst + 64 * c, w[c]);
+}
+
+/* Block b's sixteen fp16 scales (d or m) of groups g and g + 1 as floats. */
+static inline __m512 pair_scales(const uint16_t *first, const uint16_t *second, int64_t b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(first + 8 * b))),
+        _mm_loadu_si128((const __m128i *)(second + 8 * b)), 1));
+}
+
+/* One activation row's block sums (int32, one lane per output of the pair) into its
+ * accumulator: the scaled dot, and for q4 the codes' offset. xd, xs and offset point at the
+ * row's entries for the block (a QuantizedRow's fields plus the block). Both paths below end
+ * every block here, so a row's result is the same whichever multiplied it. */
+static inline __attribute__((always_inline)) __m512 scale_block_sums(
+    __m512 acc, __m512i dots, __m512 wd, __m512 wm, const float *xd, const float *xs,
+    const int32_t *offset, int is_q4) {
+    if (!is_q4) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(*offset));
+    const __m512 total = _mm512_cvtepi32_ps(dots);
+    acc = _mm512_fmadd_ps(total, _mm512_mul_ps(wd, _mm512_set1_ps(*xd)), acc);
+    if (is_q4) acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(*xs), acc);
+    return acc;
+}
+
+/* Two row groups at once in 512-bit registers (lanes 0-7: group g, 8-15: group g + 1):
+ * the activations' broadcasts and the dot products serve sixteen outputs, half the
+ * instructions per output of group_tile. Up to PAIR_TILE_ROWS rows share each block's
+ * unpacked codes, one accumulator each (the thirty-two registers hold them all). A row's
+ * sums take the same steps in the same order whatever the tile's size: a row's result never
+ * depends on the rows beside it (speculation's lossless greedy rests on it). Q8 codes go
+ * in as unsigned w + 128 (one xor per block, shared by the rows) and each row's block sum
+ * times 128 comes off its integer dot: the same int32 as signed by signed, with no
+ * per-row negation (vpdpbusd never saturates; AVX2's vpmaddubsw would, so group_tile keeps
+ * the sign trick). sums[r * 16 + i]. */
+static inline __attribute__((always_inline)) void group_pair_tile(
+    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
+    float *sums, int is_q4) {
+    __m512 acc[PAIR_TILE_ROWS];
+    for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i w[8];
+        fetch_pair_block(codes0, codes1, b, is_q4, w);
+        const __m512 wd = pair_scales(d0, d1, b);
+        const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[c]));
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
+            }
+            acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(even, odd), wd, wm, x[r].xd + b,
+                                      x[r].xs + b, x[r].offset + b, is_q4);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
+#endif
+
+#endif
