@@ -173,8 +173,8 @@ def _first_mtp_inputs(llm: LLM, prompt: list[int]) -> torch.Tensor:
     proposer = llm.llm_engine.proposer
     seen = []
     forward = proposer._forward
-    proposer._forward = lambda chunks, hidden: (
-        seen.append(hidden.clone()) or forward(chunks, hidden)
+    proposer._forward = lambda chunks, hidden, logit_rows: (
+        seen.append(hidden.clone()) or forward(chunks, hidden, logit_rows)
     )
     _outputs(llm, [prompt])
     return seen[0]
