@@ -235,7 +235,7 @@ class LLMEngine:
             if self._tp_workers is not None:
                 self._tp_workers.raise_if_dead(exc)  # a rank died: say which, and why
             raise
-        self.speculator.record_step(sched.scheduled, self._siblings)
+        self.speculator.record_step(sched.scheduled, self._siblings, result.hidden_states)
         out = result.sampler_output
         rows_of: list[list[int]] = [[] for _ in sched.scheduled]
         for row, item in enumerate(result.sampled_items):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from forklift.core.draft_budget import VERIFY_MAX_ROWS, drafts_worth_verifying
 from forklift.core.request import Request
 from forklift.core.scheduler import Scheduler
@@ -66,15 +68,17 @@ class Speculator:
         return targets[: accepted + 1]
 
     def record_step(
-        self, scheduled: list[ScheduledChunk], siblings: Callable[[str], list[str]]
+        self,
+        scheduled: list[ScheduledChunk],
+        siblings: Callable[[str], list[str]],
+        hidden_states: torch.Tensor | None,
     ) -> None:
-        """Hand the MTP layer the hidden states the target's step left, if it left any;
-        `siblings` names every sample of a sequence's request."""
-        if self.mtp is None or self.runner.hidden_states is None:
+        """Hand the MTP layer the hidden states of the target's step (its result's, where it
+        kept them); `siblings` names every sample of a sequence's request."""
+        if self.mtp is None or hidden_states is None:
             return
         self._fork_mtp(scheduled, siblings)
-        self.mtp.record_step(scheduled, self.runner.hidden_states)
-        self.runner.hidden_states = None
+        self.mtp.record_step(scheduled, hidden_states)
 
     def _fork_mtp(
         self, scheduled: list[ScheduledChunk], siblings: Callable[[str], list[str]]

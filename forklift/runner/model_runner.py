@@ -69,6 +69,8 @@ class StepResult:
     sampler_output: SamplerOutput | None
     # (index into the scheduled list, its rows of scores) for chunks scoring their prompt.
     prompt_scores: list[tuple[int, PromptScores]] = field(default_factory=list)
+    # Every token's final hidden state, where the runner keeps them (an MTP layer reads them).
+    hidden_states: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -127,9 +129,8 @@ class ModelRunner:
         self._drop_dense_copies()
         if self.device.type == "cpu":
             native_seeded_sampler()  # the sampler's kernel: built now, not mid-request
-        # Speculation by MTP reads every token's final hidden state of the last step.
+        # Speculation by MTP reads every token's final hidden state (StepResult's).
         self.keep_hidden_states = False
-        self.hidden_states: torch.Tensor | None = None
         self._weight_updater = WeightUpdater(self.model)
         self.cache = CacheTensors(self.kv_layout, self.kv_format, block_size, dtype, device)
         self._sampling_batches = SamplingBatchReuse()
@@ -414,24 +415,25 @@ class ModelRunner:
             native=native,
         )
         sampled_items = [chunk_of[i] for i, row in enumerate(rows) if row.samples]
-        logits, scores = self.forward_step(inputs, key, native)
+        logits, scores, hidden = self.forward_step(inputs, key, native)
         prompt_scores = []
         if scores is not None:
             prompt_scores = [(chunk_of[i], s) for i, s in split_prompt_scores(rows, scores)]
         if logits is None:
-            return StepResult([], None, prompt_scores)
+            return StepResult([], None, prompt_scores, hidden)
         with torch.inference_mode():
             sampling = [row for item in rows if (row := item.sampling) is not None]
             batch = self._sampling_batches.batch_for(sampling, self.device, logits.shape[1])
-            return StepResult(sampled_items, sample(logits, batch), prompt_scores)
+            return StepResult(sampled_items, sample(logits, batch), prompt_scores, hidden)
 
     @mirrored
     def forward_step(
         self, inputs: StepInputs, key: CaptureKey | None = None, native: bool = False
-    ) -> tuple[torch.Tensor | None, PromptScores | None]:
-        """The model on one step's inputs: logits of the sampling rows (None if none), and
-        the scores of the prompt rows asked for (None if none). `native`: a decode step
-        the native step runs whole (see `StepBackend.runs_native_step`)."""
+    ) -> tuple[torch.Tensor | None, PromptScores | None, torch.Tensor | None]:
+        """The model on one step's inputs: logits of the sampling rows (None if none), the
+        scores of the prompt rows asked for (None if none), and every token's final hidden
+        state where `keep_hidden_states` (else None). `native`: a decode step the native
+        step runs whole (see `StepBackend.runs_native_step`)."""
         with torch.inference_mode():
             self.cache.write_before_step(
                 inputs.fresh_blocks, inputs.state_copies, inputs.block_copies
@@ -442,9 +444,7 @@ class ModelRunner:
                 logits, scores, hidden = self.backend.forward(
                     self.model, self.layer_caches, inputs, row_lora, self.keep_hidden_states
                 )
-                if hidden is not None:
-                    self.hidden_states = hidden.to(self.dtype)
-                return logits, scores
+                return logits, scores, None if hidden is None else hidden.to(self.dtype)
             if key is not None and self.decode_capture is not None:
                 hidden = self.decode_capture.run(
                     key, inputs.input_ids, inputs.positions, inputs.meta
@@ -453,8 +453,7 @@ class ModelRunner:
                 hidden = self.model(
                     inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta
                 )
-            if self.keep_hidden_states:
-                self.hidden_states = hidden
+            kept = hidden if self.keep_hidden_states else None
             scores = None
             if inputs.prompt_rows is not None and inputs.prompt_targets is not None:
                 scores = score_prompt_rows(
@@ -464,8 +463,8 @@ class ModelRunner:
                     inputs.prompt_top,
                 )
             if inputs.sample_index.numel() == 0:
-                return None, scores
-            return self.model.compute_logits(hidden[inputs.sample_index]), scores
+                return None, scores, kept
+            return self.model.compute_logits(hidden[inputs.sample_index]), scores, kept
 
     def _captured_forward(self, static: StaticDecodeInputs) -> torch.Tensor:
         return self.model(
