@@ -18,12 +18,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from forklift.config import EngineConfig
 from forklift.core.input_processor import ProcessedPrompt, PromptType
 from forklift.engine.engine import LLMEngine
+from forklift.engine.lora_registry import LoRARegistry
 from forklift.engine.timelines import FirstTokenTimelines
 from forklift.lora_request import LoRARequest
 from forklift.outputs import RequestOutput
 from forklift.sampling_params import SamplingParams
+from forklift.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -97,6 +100,28 @@ class AsyncEngine:
             self._thread.start()
 
     # ---- caller side (event loop) -----------------------------------------------------
+    # What the engine was set up with: fixed once it runs, so read from any thread.
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def loras(self) -> LoRARegistry | None:
+        """The adapters' registry (None: LoRA is off)."""
+        return self.engine.loras
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
     def new_request_id(self, prefix: str) -> str:
         with self._lock:
             self._counter += 1

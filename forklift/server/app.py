@@ -101,13 +101,13 @@ def build_app(
     add_status_routes(app, app.state.status)
     if enable_trainer_routes:
         add_admin_routes(app, ctx)
-    if async_engine.engine.loras is not None:
+    if async_engine.loras is not None:
         add_lora_routes(app, ctx)
     return app
 
 
 def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
-    engine = ctx.async_engine.engine
+    engine = ctx.async_engine
 
     def respond(result: Response | None) -> Response:
         # None: the client left, so nobody reads this; 499 is the conventional status.
@@ -184,7 +184,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> Non
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(body.model)
-        vocab = engine.model_config.vocab_size
+        vocab = engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")

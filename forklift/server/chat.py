@@ -90,7 +90,7 @@ async def create_chat_completion(
     lora = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-    max_logprobs = ctx.async_engine.engine.config.max_logprobs
+    max_logprobs = ctx.async_engine.config.max_logprobs
     if body.top_logprobs is not None and body.top_logprobs > max_logprobs:
         raise APIError(
             400,

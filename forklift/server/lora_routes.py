@@ -94,7 +94,7 @@ def add_lora_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def adapter_models(ctx: ServerContext, created: int) -> list[dict[str, Any]]:
     """/v1/models entries of the loaded adapters (vLLM's form: `parent` is the base)."""
-    loras = ctx.async_engine.engine.loras
+    loras = ctx.async_engine.loras
     if loras is None:
         return []
     return [

@@ -38,7 +38,7 @@ class ServerContext:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        tokenizer = self.async_engine.engine.tokenizer
+        tokenizer = self.async_engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompts as token ids")
         return tokenizer
@@ -48,7 +48,7 @@ class ServerContext:
         that is neither is a 404."""
         if model is None or model == self.served_model_name:
             return None
-        loras = self.async_engine.engine.loras
+        loras = self.async_engine.loras
         adapter = loras.by_name(model) if loras is not None else None
         if adapter is not None:
             return adapter
@@ -63,7 +63,7 @@ class ServerContext:
         )
 
     def adapter_names(self) -> list[str]:
-        loras = self.async_engine.engine.loras
+        loras = self.async_engine.loras
         return [] if loras is None else [info.name for info in loras.infos()]
 
 
@@ -126,7 +126,7 @@ def make_params(
     output constraint fields ask together (ToolRequest.constraint). The grammar compiles
     later, in `launch`'s validation."""
     extra = body.model_extra or {}
-    check_extra_fields(extra, ctx.limits, ctx.async_engine.engine.config)
+    check_extra_fields(extra, ctx.limits, ctx.async_engine.config)
     ctx.fields.check(extra, body.n, chat=isinstance(body, ChatCompletionRequest))
     if body.stream and body.prompt_logprobs is not None:
         # As vLLM: the prompt's logprobs come in the whole response only.

@@ -38,7 +38,7 @@ class BatchService:
         self._ctx = ctx
         # As many in flight as the engine runs at once: enough to keep it full, while other
         # traffic still finds room in the waiting queue.
-        self._window = ctx.async_engine.engine.config.max_num_seqs
+        self._window = ctx.async_engine.config.max_num_seqs
         self._batches: dict[str, Batch] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
