@@ -194,7 +194,8 @@ def main() -> None:
     slot_tokens = 1024 * -(-context // 1024)
     results: dict[str, dict] = {}
 
-    serve = ["--model", str(args.model), "--max-model-len", str(slot_tokens)]
+    serve = ["--model", str(args.model), "--max-model-len", str(slot_tokens),
+             "--num-threads", str(args.threads)]  # fmt: skip
     with forklift_server_process(serve) as (url, _):
         results["forklift"] = side("forklift", forklift_turn(url, _served(url), args.reply), args)
     binary = args.llama_cpp / "build" / "bin" / "llama-server"

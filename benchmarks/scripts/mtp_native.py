@@ -138,7 +138,8 @@ def table(report: dict) -> list[str]:
         f"{w['tokens']} tokens with three guesses a step; medians of {w['rounds']} rounds, "
         "sides alternating in one process.",
         "",
-        "| drafter | catch-up over the prompt | a call after a step (catch-up, 3 guesses) | "
+        "| drafter | first call: the prompt's catch-up (past the dense step's 64 rows, so "
+        "the PyTorch layer on both sides) | a call after a step (catch-up, 3 guesses) | "
         "share of the generation spent drafting | generation |",
         "|---|---|---|---|---|",
     ]

@@ -100,13 +100,15 @@ class AsyncEngine:
             self._thread.start()
 
     # ---- caller side (event loop) -----------------------------------------------------
-    # What the engine was set up with: fixed once it runs, so read from any thread.
+    # What the engine was set up with: these objects stay the same while it runs (the
+    # adapters' registry's contents change, on the engine thread).
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer | None:
+        """None for an engine started without a tokenizer."""
         return self.engine.tokenizer
 
     @property

@@ -346,7 +346,15 @@ class MtpStepBinding:
     input projection over the normed embedding and hidden state, its decoder layer on its
     own KV cache, and its norm. The target's binding must outlive this one."""
 
-    def __init__(self, mtp: MultiTokenPredictor, target: StepBinding, cache: LayerCache) -> None:
+    def __init__(
+        self,
+        mtp: MultiTokenPredictor,
+        target: StepBinding,
+        cache: LayerCache,
+        dense_buffer: torch.Tensor | None = None,
+    ) -> None:
+        """`dense_buffer`: an earlier MTP binding's, packed into again (the target binds
+        again after each weight update; the layer's own weights stay)."""
         if not target.model.head.dense:
             raise ValueError("the MTP layer's native step runs beside a dense bf16 target")
         layer = mtp.layers[0]
@@ -357,7 +365,7 @@ class MtpStepBinding:
         }
         if any(w.dtype != torch.bfloat16 for w in dense.values()):
             raise ValueError("the MTP layer's native step needs its weights in bf16")
-        packs, self.dense_buffer = pack_dense_all(list(dense.values()))
+        packs, self.dense_buffer = pack_dense_all(list(dense.values()), dense_buffer)
         self._dense = {name: DenseTiles(p, *w.shape)
                        for (name, w), p in zip(dense.items(), packs, strict=True)}  # fmt: skip
         self._target = target

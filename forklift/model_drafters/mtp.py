@@ -303,7 +303,8 @@ class MtpProposer:
         if self.mtp.fc.weight.dtype != torch.bfloat16 or self.cache is None:
             return None
         if self._binding is None or self._binding.target is not target:
-            self._binding = MtpStepBinding(self.mtp, target, self.cache)
+            reuse = self._binding.dense_buffer if self._binding is not None else None
+            self._binding = MtpStepBinding(self.mtp, target, self.cache, reuse)
         return self._binding
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:

@@ -252,6 +252,8 @@ class NativeDecodeStep:
         elif binding.model.linear.value_heads:
             raise ValueError("a hybrid model's native step needs its rows' state slots")
         if input_hidden is not None:
+            if not binding.model.input_fc.k:
+                raise ValueError("input_hidden is an MTP layer's input; this binding has none")
             input_hidden = input_hidden.to(torch.float32).contiguous()
             if input_hidden.shape != (rows, binding.hidden):
                 raise ValueError("input_hidden needs one [hidden] row per input id")
@@ -274,7 +276,7 @@ class NativeDecodeStep:
         if failed == 3:
             raise ValueError("a state chain cut by a chunk boundary stores its state nowhere")
         if failed == 4:
-            raise ValueError("an MTP layer's input projection must take 2 x hidden inputs")
+            raise ValueError("an MTP layer's input projection must map 2 x hidden to hidden")
         if failed:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         return StepOutput(logits, hidden)

@@ -165,7 +165,7 @@ async def _stream(
                 "created": run.created,
                 "model": run.model,
                 "choices": [choice],
-                # vLLM's return_token_ids: the prompt's ids once, on the first chunk.
+                # vLLM's return_token_ids: the prompt's ids on each choice's first chunk.
                 **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}),
             }
         )

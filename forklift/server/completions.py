@@ -148,7 +148,8 @@ def _extend(logprobs: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt_ids: list[int]) -> str:
-    if not body.echo:
+    # With return_token_ids the prompt comes back as ids only (vLLM's rule).
+    if not body.echo or body.return_token_ids:
         return ""
     return ctx.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 

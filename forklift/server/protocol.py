@@ -56,7 +56,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text (streamed: the prompt's
     # on a choice's first chunk, each chunk's new tokens).
-    return_token_ids: bool = False
+    return_token_ids: bool | None = None
 
     def sampling_params(
         self,

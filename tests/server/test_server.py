@@ -345,6 +345,12 @@ def test_return_token_ids_gives_the_ids_the_text_came_from(client, server):
         assert tokenizer.decode(output) == choice.text
     plain = client.completions.create(**kwargs)
     assert "token_ids" not in (plain.choices[0].model_extra or {})
+    # With echo the prompt comes back as ids only (vLLM's rule); null asks for nothing.
+    echoed = client.completions.create(**kwargs, echo=True, extra_body={"return_token_ids": True})
+    assert [c.text for c in echoed.choices] == [c.text for c in whole.choices]
+    null = httpx.post(server[0] + "/v1/completions",
+                      json={**kwargs, "prompt": ids, "return_token_ids": None})  # fmt: skip
+    assert null.status_code == 200 and "token_ids" not in null.json()["choices"][0]
     chunks = list(client.completions.create(**kwargs, stream=True,
                                             extra_body={"return_token_ids": True}))  # fmt: skip
     for index in (0, 1):

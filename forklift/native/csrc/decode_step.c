@@ -655,7 +655,9 @@ int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,
                          const int64_t *logit_rows, int64_t num_logits, float *hidden_out,
                          const int64_t *state_reads, const int64_t *state_writes,
                          const float *input_hidden) {
-    if (m->input_fc.k > 0 && (input_hidden == NULL || m->input_fc.k != 2 * m->hidden)) return 4;
+    if (m->input_fc.k > 0 && (input_hidden == NULL || m->input_fc.k != 2 * m->hidden ||
+                              m->input_fc.n != m->hidden))
+        return 4;
     int64_t num_groups = 1;
     for (int64_t l = 0; l < m->num_layers; l++)
         if (m->layers[l].group + 1 > num_groups) num_groups = m->layers[l].group + 1;

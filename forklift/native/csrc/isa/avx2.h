@@ -1,12 +1,10 @@
 /* The operations' vector helpers on AVX2 (x86-64-v3: AVX2, FMA, F16C), 256-bit registers.
- * avx512.h builds on it: what has no wider form there (the eight-output int8 dot product,
- * fp16 scalars) is this header's on AVX-512 too. */
+ * avx512.h builds on it: what has no wider form there (the eight-output int8 dot product)
+ * is this header's on AVX-512 too. fp16 scalars convert in portable.h (F16C). */
 #ifndef FORKLIFT_ISA_AVX2_H
 #define FORKLIFT_ISA_AVX2_H
 
 #include <immintrin.h>
-
-static inline float fp16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* acc + the int32 sums of u[4i..4i+3] * s[4i..4i+3] per lane i (unsigned by signed). */
 static inline __m256i dot_accumulate(__m256i acc, __m256i u, __m256i s) {

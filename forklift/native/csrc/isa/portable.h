@@ -51,4 +51,34 @@ static inline uint16_t float_to_bf16(float x) {
 }
 
 
+#if defined(FORKLIFT_HAS_F16C)
+/* fp16 to fp32: F16C's conversion wherever the target has it (every AVX2 build; Ivy
+ * Bridge), else in plain C with the same results. */
+#include <immintrin.h>
+
+static inline float fp16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float fp16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: renormalise */
+        exponent = 113u;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    union { uint32_t u; float f; } v;
+    v.u = bits;
+    return v.f;
+}
+#endif
+
 #endif
