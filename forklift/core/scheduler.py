@@ -8,9 +8,10 @@ are freed and it goes back to the front of the queue to be recomputed later.
 While any running request decodes, the step's prefill chunks together take at most
 `decode_step_prefill_tokens`: a new prompt is then prefilled over several steps instead of
 stalling every stream for one long step (time to first token traded for steady inter-token
-latency). With `prefill_pace_steps` the share is the pending prompt tokens spread over that
-many steps (within the bound), so steps cost about the same. A step with no decodes
-prefills at the full budget.
+latency). A hybrid prompt's tail after its last checkpoint boundary counts as decoding: its
+first token waits on that step. With `prefill_pace_steps` the share is the pending prompt
+tokens spread over that many steps (within the bound), so steps cost about the same. A step
+with no decodes prefills at the full budget.
 
 A hybrid model's linear layers also need a state slot per running sequence (`state_pool`),
 taken at admission and given back at finish or preemption. Its samples of one prompt fork the
@@ -98,9 +99,7 @@ class Scheduler:
         bound = self.decode_step_prefill_tokens
         if bound is None and self.prefill_pace_steps is not None:
             bound = self.max_num_batched_tokens  # a pace alone paces within the token budget
-        decoding = bound is not None and any(
-            r.num_tokens - r.num_computed_tokens == 1 for r in self.running
-        )
+        decoding = bound is not None and any(self._about_to_sample(r) for r in self.running)
         self._prefill_budget = self._paced(bound) if decoding else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
@@ -114,6 +113,19 @@ class Scheduler:
             # Kept for a step that runs: an empty step never reaches the runner.
             out.lora_loads = self.lora_slots.take_loads()
         return out
+
+    def _about_to_sample(self, request: Request) -> bool:
+        """A decode row; or, with state checkpoints, the tail of a prompt that stopped at its
+        last boundary (less than a block): its first token waits on this step, so the other
+        prompts' prefill in it is bounded as beside decodes."""
+        left = request.num_tokens - request.num_computed_tokens
+        if left == 1:
+            return True
+        return (
+            self.kv_manager.state_checkpoints is not None
+            and request.num_computed_tokens > 0
+            and left <= self.kv_manager.block_size
+        )
 
     def _paced(self, bound: int | None) -> int | None:
         """The prefill budget of a step that decodes: the pending prompt tokens spread evenly

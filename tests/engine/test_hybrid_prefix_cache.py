@@ -152,6 +152,23 @@ def test_a_short_prompt_does_not_stop_for_a_checkpoint(model):
     assert _alone(eager, prompt).num_cached_tokens == 40
 
 
+def test_a_prompt_tail_after_its_checkpoint_is_bounded_like_a_decode(model):
+    """A prompt that stopped at its last checkpoint boundary samples its first token in the
+    next step, so that step's prompt tokens (the tail's included) are at most
+    decode_step_prefill_tokens, as beside decodes: the tail does not wait on a whole other
+    prompt."""
+    llm = _cached_llm(model.path, max_num_batched_tokens=64, decode_step_prefill_tokens=8)
+    engine = llm.llm_engine
+    first, second = hybrid_prompts(22, [43, 50])
+    engine.add_request("first", {"prompt_token_ids": first}, GREEDY)
+    engine.step()  # stops at 40, the end of the prompt's full blocks before its last token
+    assert engine.step_log[-1].num_batched_tokens == 40
+    engine.add_request("second", {"prompt_token_ids": second}, GREEDY)
+    outputs = engine.step()
+    assert engine.step_log[-1].num_batched_tokens == 8  # the tail's 3, 5 of the second's
+    assert [o.request_id for o in outputs if o.outputs[0].token_ids] == ["first"]
+
+
 def test_a_plan_stops_prompt_chunks_at_its_boundaries():
     plan = CheckpointPlan(block_size=4, interval=16, num_prompt_tokens=70, min_tokens=0)
     assert plan.prompt_end == 68
