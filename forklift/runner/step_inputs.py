@@ -220,10 +220,7 @@ class StepInputBuilder:
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata and positions of chunks a drafter runs over the target's
         blocks in a cache of its own (the target's first-use bookkeeping is left alone)."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        tables = _group_tables(scheduled, len(scheduled), 1)
-        meta, positions = self.attention_metadata(starts, query_lens, tables)
+        meta, positions = self.attention_metadata(*_drafter_rows(scheduled))
         return meta, torch.from_numpy(positions).to(self.device)
 
     def row_attention_inputs(
@@ -231,13 +228,20 @@ class StepInputBuilder:
     ) -> tuple[RowAttention, torch.Tensor]:
         """The native step's row attention (the first KV group's) and positions of the same
         chunks (`attention_inputs`' for a drafter the native step runs)."""
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        tables = _group_tables(scheduled, len(scheduled), 1)
+        starts, query_lens, tables = _drafter_rows(scheduled)
         rows, positions = build_row_attention(
             starts, query_lens, tables, self._group_windows[:1], self.block_size, self.device
         )
         return rows[0], torch.from_numpy(positions).to(self.device)
+
+
+def _drafter_rows(
+    scheduled: list[ScheduledChunk],
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """A drafter's chunks as starts, query lengths and the first KV group's block tables."""
+    starts = np.array([s.start for s in scheduled], dtype=np.int64)
+    query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+    return starts, query_lens, _group_tables(scheduled, len(scheduled), 1)
 
 
 def _group_tables(scheduled: list[ScheduledChunk], rows: int, num_groups: int) -> list[np.ndarray]:

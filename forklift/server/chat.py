@@ -19,6 +19,7 @@ from forklift.server.serving import (
     launch,
     make_params,
     prompt_logprobs_json,
+    token_id_fields,
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
@@ -132,7 +133,7 @@ async def create_chat_completion(
                 else None,
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
-                **({"token_ids": list(c.token_ids)} if body.return_token_ids else {}),
+                **token_id_fields(body, c.token_ids),
             }
         )
     return JSONResponse(
@@ -183,7 +184,7 @@ async def _stream(
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
-                        **({"token_ids": []} if body.return_token_ids else {}),
+                        **token_id_fields(body, []),
                     },
                     list(output.prompt_token_ids) if body.return_token_ids else None,
                 )
@@ -222,7 +223,7 @@ def _delta_choice(
     if body.logprobs:
         content = _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
         logprobs = {"content": content}
-    ids = _new_token_ids(body, completion, state)
+    ids = token_id_fields(body, completion.token_ids[state.num_tokens :])
     state.text_len = len(completion.text)
     state.num_tokens = len(completion.token_ids)
     state.finished = finish is not None
@@ -234,15 +235,6 @@ def _delta_choice(
         "stop_reason": completion.stop_reason,
         **ids,
     }
-
-
-def _new_token_ids(
-    body: ChatCompletionRequest, completion: CompletionOutput, state: ChoiceProgress
-) -> dict[str, Any]:
-    """return_token_ids: the tokens since the choice's last chunk (read before `state` moves)."""
-    if not body.return_token_ids:
-        return {}
-    return {"token_ids": list(completion.token_ids[state.num_tokens :])}
 
 
 def _tool_delta_choices(
@@ -264,7 +256,7 @@ def _tool_delta_choices(
         logprobs = {
             "content": _logprob_content(completion, state.num_tokens, body.top_logprobs or 0)
         }
-    ids = _new_token_ids(body, completion, state)
+    ids = token_id_fields(body, completion.token_ids[state.num_tokens :])
     state.num_tokens = len(completion.token_ids)
     choices = [
         {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": None}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +20,7 @@ from forklift.server.serving import (
     launch,
     make_params,
     prompt_logprobs_json,
+    token_id_fields,
     usage,
 )
 from forklift.server.streams import collect_unless_disconnected, sse
@@ -82,7 +83,7 @@ async def create_completion(
                     "prompt_logprobs": prompt_logprobs_json(output, body.prompt_logprobs)
                     if body.prompt_logprobs is not None
                     else None,
-                    **_token_ids(body, run.prompt_ids[prompt_index], completion.token_ids),
+                    **token_id_fields(body, completion.token_ids, run.prompt_ids[prompt_index]),
                 }
             )
     return JSONResponse(
@@ -210,10 +211,10 @@ def _delta_choice(
     finish = completion.finish_reason
     if not text and finish is None:
         return None
-    ids = _token_ids(
+    ids = token_id_fields(
         body,
-        output.prompt_token_ids if not state.started else None,
         completion.token_ids[state.num_tokens :],
+        output.prompt_token_ids if not state.started else None,
     )
     logprobs = None
     if body.logprobs is not None:
@@ -237,18 +238,6 @@ def _delta_choice(
         "stop_reason": completion.stop_reason,
         **ids,
     }
-
-
-def _token_ids(
-    body: CompletionRequest, prompt_ids: Sequence[int] | None, token_ids: Sequence[int]
-) -> dict[str, Any]:
-    """A choice's `return_token_ids` fields: its prompt's ids (where given) and its tokens."""
-    if not body.return_token_ids:
-        return {}
-    fields: dict[str, Any] = {"token_ids": list(token_ids)}
-    if prompt_ids is not None:
-        fields["prompt_token_ids"] = list(prompt_ids)
-    return fields
 
 
 def _logprobs(

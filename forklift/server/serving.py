@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +175,19 @@ def prompt_logprobs_json(output: RequestOutput | None, top: int | None) -> list[
 # JSON has no -inf: a token the sampling filters dropped (top-k, top-p, min-p, min_tokens)
 # has logprob -inf in `processed` mode, reported as OpenAI's floor instead.
 MIN_LOGPROB = -9999.0
+
+
+def token_id_fields(
+    body: SamplingFields, token_ids: Sequence[int], prompt_ids: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """A choice's fields for vLLM's `return_token_ids` (none unless asked): its tokens, and
+    where given its prompt's ids."""
+    if not body.return_token_ids:
+        return {}
+    fields: dict[str, Any] = {"token_ids": list(token_ids)}
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    return fields
 
 
 def json_logprob(logprob: float) -> float:

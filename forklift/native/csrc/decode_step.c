@@ -374,7 +374,7 @@ static int gated_deltanet(const LinearLayer *layer, const LinearShape *s,
                      num_threads))
         return 1;
     const int64_t dv = s->value_dim, heads = s->value_heads;
-    const int64_t channels = 2 * s->key_heads * s->key_dim + heads * dv;
+    const int64_t channels = linear_channels(s);
 #pragma omp parallel for num_threads(num_threads) if (rows >= ROW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < heads; h++) {
@@ -399,7 +399,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->intermediate;
     const LinearShape *shape = &m->linear;
     const int64_t value_size = shape->value_heads * shape->value_dim;
-    const int64_t channels = 2 * shape->key_heads * shape->key_dim + value_size;
+    const int64_t channels = linear_channels(shape);
     /* The widest first projection (a gated q_proj, a linear layer's in_proj), the widest
      * mixer output (queries, or a linear layer's values) and the widest matmul input. */
     int64_t projection = qkv_size;
@@ -726,8 +726,7 @@ int forklift_linear_mixer(const LinearLayer *layer, const LinearShape *shape,
                           const float *projection, int64_t stride, int64_t rows,
                           const int64_t *reads, const int64_t *writes, float eps, int is_bf16,
                           float *out, int num_threads) {
-    const int64_t channels = 2 * shape->key_heads * shape->key_dim +
-                             shape->value_heads * shape->value_dim;
+    const int64_t channels = linear_channels(shape);
     if (rows < 1 || reads[0] < 0) return 3;
     float *conv = malloc(sizeof(float) * (size_t)(rows * channels));
     if (conv == NULL) return 1;

@@ -25,6 +25,11 @@ typedef struct {
     int64_t key_heads, value_heads, key_dim, value_dim, conv_kernel;
 } LinearShape;
 
+/* The convolution's channels per row: queries and keys of every key head, then values. */
+static inline int64_t linear_channels(const LinearShape *s) {
+    return 2 * s->key_heads * s->key_dim + s->value_heads * s->value_dim;
+}
+
 /* One linear layer's own tensors (norms and projections live in StepLayer). */
 typedef struct {
     const void *conv_weight;  /* [channels, conv_kernel], model dtype */
@@ -184,7 +189,7 @@ static int linear_mixer(const LinearLayer *layer, const LinearShape *s, const fl
                         int64_t stride, int64_t rows, const int64_t *reads,
                         const int64_t *writes, int is_bf16, float *conv_out, float *out,
                         int num_threads) {
-    const int64_t channels = 2 * s->key_heads * s->key_dim + s->value_heads * s->value_dim;
+    const int64_t channels = linear_channels(s);
     int64_t *chain_first = malloc(sizeof(int64_t) * (size_t)(2 * rows));
     if (chain_first == NULL) return 1;
     int64_t *chain_length = chain_first + rows;
