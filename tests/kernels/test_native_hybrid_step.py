@@ -282,3 +282,7 @@ def test_a_hybrid_step_without_its_rows_state_slots_is_refused(tmp_path):
     carried_on = (torch.tensor([-1, -1]), torch.tensor([-1, 1]))  # a first row with no state
     with pytest.raises(ValueError, match="the first read"):
         backend.native_step(backend.binding, ids, positions, groups, states=carried_on)
+    states = (torch.tensor([1, -1]), torch.tensor([-1, 1]))
+    with pytest.raises(ValueError, match="this binding has none"):  # an MTP layer's input
+        backend.native_step(backend.binding, ids, positions, groups, states=states,
+                            input_hidden=torch.zeros(2, backend.binding.hidden))  # fmt: skip
