@@ -53,30 +53,17 @@ static inline float16_vector widen16(const uint16_t *src) {
     return (float16_vector)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* The lane sums of sixteen vectors as the sixteen lanes of one, lane p the sum of a[p]'s:
- * four levels of shuffles and adds serve all sixteen. Each vector's lanes are added in one
- * fixed order (the order of sum4), whatever its slot. */
-static inline float16_vector sum16(const float16_vector a[16]) {
-    float16_vector halves[8], quarters[4], pairs[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: a[2i]'s two halves added; 8-15: a[2i + 1]'s */
-        halves[i] = SHUFFLE2(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                             20, 21, 22, 23) +
-                    SHUFFLE2(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                             27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++) /* four lanes each of a[4i] .. a[4i + 3] */
-        quarters[i] = SHUFFLE2(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
-                               17, 18, 19, 24, 25, 26, 27) +
-                      SHUFFLE2(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15,
-                               20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++) /* two lanes each of a[8i] .. a[8i + 7] */
-        pairs[i] = SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
-                            17, 20, 21, 24, 25, 28, 29) +
-                   SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15,
-                            18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUFFLE2(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
-                    30) +
-           SHUFFLE2(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
-                    31);
+/* The lane sums of sixteen vectors as the sixteen lanes of one (isa/avx512.h). */
+static inline float16_vector sum16(const float16_vector a[16]) { return combine16(a, 0); }
+
+/* The positions of tile t0 .. t0 + 15 a bias row attends to (bit p: position t0 + p). */
+static inline unsigned tile_mask(const float *bias_row, int64_t t0, int64_t to) {
+    if (t0 + 16 <= to)
+        return _mm512_cmp_ps_mask(_mm512_loadu_ps(bias_row + t0), _mm512_set1_ps(-INFINITY),
+                                  _CMP_NEQ_UQ);
+    unsigned mask = 0;
+    for (int64_t p = 0; t0 + p < to; p++) mask |= (unsigned)(bias_row[t0 + p] != -INFINITY) << p;
+    return mask;
 }
 
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
@@ -211,92 +198,22 @@ static inline __attribute__((always_inline)) void tile_values(
         memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
 }
 
-/* Attention of rows first_row .. first_row + num_rows - 1 (same blocks) for one KV head over
- * positions [from, to) (from a multiple of 16). parts == NULL: the normalised output into
- * `out` ([rows, heads, D], fp32 or bf16 by io_bf16); else each query vector's partial
- * result for chunk `chunk` into parts, [rows, heads, num_chunks, PART_FLOATS]. q: [rows,
- * heads, D], fp32 or bf16 by io_bf16. Returns 1 when scratch memory ran out. */
-static inline __attribute__((always_inline)) int attend_range(
-    const void *q, const void *key_cache, const void *value_cache, const int64_t *blocks,
-    const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
-    int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
-    int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
-    int64_t chunk, int64_t num_chunks, int format) {
-    const int64_t group = heads / kv_heads, count = num_rows * group;
-    const int64_t width = table_width * block_size;
-    if (to > width) to = width;
-    const int64_t tiles = to > from ? (to - from + 15) / 16 : 0;
-    const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = cache_row_bytes(format, head_dim);
-    const int64_t *table = blocks + first_row * table_width;
-    const float *query_bias[count];
-    for (int64_t j = 0; j < count; j++) query_bias[j] = bias + (first_row + j / group) * width;
-
-    /* Which positions of each tile any row attends to; the live span of tiles. */
-    uint16_t all_masks[tiles + 1];
-    int64_t lo = -1, hi = -1;
-    for (int64_t i = 0; i < tiles; i++) {
-        const int64_t t0 = from + 16 * i;
-        unsigned mask = 0;
-        for (int64_t r = 0; r < num_rows; r++) {
-            const float *b = query_bias[r * group] + t0;
-            if (t0 + 16 <= to) {
-                mask |= _mm512_cmp_ps_mask(_mm512_loadu_ps(b), _mm512_set1_ps(-INFINITY),
-                                           _CMP_NEQ_UQ);
-            } else {
-                for (int64_t p = 0; t0 + p < to; p++) mask |= (unsigned)(b[p] != -INFINITY) << p;
-            }
-        }
-        all_masks[i] = (uint16_t)mask;
-        if (mask != 0) {
-            if (lo < 0) lo = i;
-            hi = i;
-        }
-    }
-    const int64_t live_tiles = lo < 0 ? 0 : hi - lo + 1, span = 16 * live_tiles;
-    const int64_t base = from + 16 * (lo < 0 ? 0 : lo);
-    const uint16_t *masks = all_masks + (lo < 0 ? 0 : lo);
-
-    const size_t floats = (size_t)(count * span + 2 * count * head_dim + 16 * head_dim +
-                                   count * head_dim / 2);
-    float *buffer = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(span + 1));
-    if (buffer == NULL) return 1;
-    float *scores = buffer;                   /* [count, span] */
-    float *queries = scores + count * span;   /* [count, D] */
-    float *acc = queries + count * head_dim;  /* [count, D] */
-    float *keys = acc + count * head_dim;     /* [16, D] */
-    uint16_t *queries_bf16 = (uint16_t *)(keys + 16 * head_dim); /* [count, D] */
-    int64_t *slots = (int64_t *)(queries_bf16 + count * head_dim); /* [span] */
-
-    /* Each position's cache slot, block by block (no division per position); in a live
-     * tile, a position no row attends to takes the tile's first live position's slot. */
-    int64_t block = base / block_size, offset = base % block_size;
-    for (int64_t p = 0; p < span; p++) {
-        slots[p] = base + p < width ? table[block] * block_size + offset : 0;
-        if (++offset == block_size) {
-            offset = 0;
-            block++;
-        }
-    }
-    for (int64_t i = 0; i < live_tiles; i++) {
-        const unsigned mask = masks[i];
-        if (mask == 0 || mask == 0xffffu) continue;
-        const int64_t fill = slots[16 * i + __builtin_ctz(mask)];
-        for (int p = 0; p < 16; p++)
-            if (!(mask >> p & 1u)) slots[16 * i + p] = fill;
-    }
-
-    const size_t head_bytes = (size_t)(num_blocks * block_size) * row_bytes;
-    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_bytes;
-    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_bytes;
-    for (int64_t j = 0; j < count; j++) {
-        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
-        LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
-                 head_dim) * io_elem, head_dim, io_bf16);
-    }
-#if defined(SCORE_FROM_BF16)
-    round_to_bf16(queries, count * head_dim, queries_bf16);
+#if defined(ATTENTION_AMX)
+#include "paged_attention_amx.h"
 #endif
 
+/* attend_range's scores, weights and value sums on vectors (scores: [count, span] scratch;
+ * keys: [16, head_dim] scratch). Leaves each vector's unnormalised sums in acc, its largest
+ * score and its total weight. */
+static inline __attribute__((always_inline)) void attend_vectors(
+    const float *queries, const uint16_t *queries_bf16, int64_t count,
+    const float *const *query_bias, const char *k_head, const char *v_head,
+    const int64_t *slots, const uint16_t *masks, int64_t live_tiles, int64_t base, int64_t to,
+    float scale, int64_t head_dim, int format, float *scores, float *keys, float *acc,
+    float *max_score, float *total) {
+    const int64_t span = 16 * live_tiles;
+    const size_t row_bytes = cache_row_bytes(format, head_dim);
+    (void)queries_bf16;
     float16_vector max_lanes[count];
     for (int64_t j = 0; j < count; j++) max_lanes[j] = (float16_vector){0} - INFINITY;
     for (int64_t i = 0; i < live_tiles; i++) {
@@ -340,7 +257,6 @@ static inline __attribute__((always_inline)) int attend_range(
 
     /* Weights exp(s - max) in place, summed in sixteen lanes by position mod 16. A vector
      * none of whose positions lie in the range weighs nothing here. */
-    float max_score[count], total[count];
     for (int64_t j = 0; j < count; j++) {
         float m = -INFINITY;
         for (int p = 0; p < 16; p++) m = max_lanes[j][p] > m ? max_lanes[j][p] : m;
@@ -377,6 +293,107 @@ static inline __attribute__((always_inline)) int attend_range(
             tile_values(acc, scores, span, v_head, slots, masks, live_tiles, j, head_dim, 4,
                         format);
     }
+
+}
+
+/* Attention of rows first_row .. first_row + num_rows - 1 (same blocks) for one KV head over
+ * positions [from, to) (from a multiple of 16). parts == NULL: the normalised output into
+ * `out` ([rows, heads, D], fp32 or bf16 by io_bf16); else each query vector's partial
+ * result for chunk `chunk` into parts, [rows, heads, num_chunks, PART_FLOATS]. q: [rows,
+ * heads, D], fp32 or bf16 by io_bf16. Returns 1 when scratch memory ran out. */
+static inline __attribute__((always_inline)) int attend_range(
+    const void *q, const void *key_cache, const void *value_cache, const int64_t *blocks,
+    const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
+    int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
+    int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
+    int64_t chunk, int64_t num_chunks, int format) {
+    const int64_t group = heads / kv_heads, count = num_rows * group;
+    const int64_t width = table_width * block_size;
+    if (to > width) to = width;
+    const int64_t tiles = to > from ? (to - from + 15) / 16 : 0;
+    const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = cache_row_bytes(format, head_dim);
+    const int64_t *table = blocks + first_row * table_width;
+    const float *query_bias[count];
+    for (int64_t j = 0; j < count; j++) query_bias[j] = bias + (first_row + j / group) * width;
+
+    /* Which positions of each tile any row attends to; the live span of tiles. */
+    uint16_t all_masks[tiles + 1];
+    int64_t lo = -1, hi = -1;
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t t0 = from + 16 * i;
+        unsigned mask = 0;
+        for (int64_t r = 0; r < num_rows; r++) mask |= tile_mask(query_bias[r * group], t0, to);
+        all_masks[i] = (uint16_t)mask;
+        if (mask != 0) {
+            if (lo < 0) lo = i;
+            hi = i;
+        }
+    }
+    const int64_t live_tiles = lo < 0 ? 0 : hi - lo + 1, span = 16 * live_tiles;
+    const int64_t base = from + 16 * (lo < 0 ? 0 : lo);
+    const uint16_t *masks = all_masks + (lo < 0 ? 0 : lo);
+
+#if defined(ATTENTION_AMX)
+    const int on_tiles = format == CACHE_BF16 && amx_tiles_usable();
+#else
+    const int on_tiles = 0;
+#endif
+    /* The vector form's scores (the tiles keep a block's at a time in their own scratch). */
+    const int64_t score_floats = on_tiles ? 0 : count * span;
+    const size_t floats = (size_t)(score_floats + 2 * count * head_dim + 16 * head_dim +
+                                   count * head_dim / 2);
+    float *buffer = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(span + 1));
+    if (buffer == NULL) return 1;
+    float *scores = buffer;                      /* [count, span] */
+    float *queries = scores + score_floats;      /* [count, D] */
+    float *acc = queries + count * head_dim;  /* [count, D] */
+    float *keys = acc + count * head_dim;     /* [16, D] */
+    uint16_t *queries_bf16 = (uint16_t *)(keys + 16 * head_dim); /* [count, D] */
+    int64_t *slots = (int64_t *)(queries_bf16 + count * head_dim); /* [span] */
+
+    /* Each position's cache slot, block by block (no division per position); in a live
+     * tile, a position no row attends to takes the tile's first live position's slot. */
+    int64_t block = base / block_size, offset = base % block_size;
+    for (int64_t p = 0; p < span; p++) {
+        slots[p] = base + p < width ? table[block] * block_size + offset : 0;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+    for (int64_t i = 0; i < live_tiles; i++) {
+        const unsigned mask = masks[i];
+        if (mask == 0 || mask == 0xffffu) continue;
+        const int64_t fill = slots[16 * i + __builtin_ctz(mask)];
+        for (int p = 0; p < 16; p++)
+            if (!(mask >> p & 1u)) slots[16 * i + p] = fill;
+    }
+
+    const size_t head_bytes = (size_t)(num_blocks * block_size) * row_bytes;
+    const char *k_head = (const char *)key_cache + (size_t)kv_head * head_bytes;
+    const char *v_head = (const char *)value_cache + (size_t)kv_head * head_bytes;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
+                 head_dim) * io_elem, head_dim, io_bf16);
+    }
+#if defined(SCORE_FROM_BF16)
+    round_to_bf16(queries, count * head_dim, queries_bf16);
+#endif
+
+    float max_score[count], total[count];
+#if defined(ATTENTION_AMX)
+    if (on_tiles) {
+        if (attend_amx(queries_bf16, count, query_bias, k_head, v_head, slots, masks, live_tiles,
+                       base, to, scale, head_dim, acc, max_score, total)) {
+            free(buffer);
+            return 1;
+        }
+    } else
+#endif
+        attend_vectors(queries, queries_bf16, count, query_bias, k_head, v_head, slots, masks,
+                       live_tiles, base, to, scale, head_dim, format, scores, keys, acc,
+                       max_score, total);
 
     for (int64_t j = 0; j < count; j++) {
         const float *aj = acc + j * head_dim;

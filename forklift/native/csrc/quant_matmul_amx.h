@@ -101,16 +101,7 @@ static inline RowStrides even_row_strides(const QuantizedRow *x, int64_t count) 
     return stride.q > 0 ? stride : none;
 }
 
-/* 1 where this process may use the tiles; asked of the kernel once (the answer never
- * changes), since every matmul of 16 rows or more needs it. */
-static inline int quant_tiles_usable(void) {
-    static int usable = -1; /* -1: not asked yet; threads that race store the same answer */
-    int known = __atomic_load_n(&usable, __ATOMIC_RELAXED);
-    if (known < 0) {
-        known = amx_tiles_granted();
-        __atomic_store_n(&usable, known, __ATOMIC_RELAXED);
-    }
-    return known;
-}
+/* 1 where this process may use the tiles (every matmul of 16 rows or more asks). */
+static inline int quant_tiles_usable(void) { return amx_tiles_usable(); }
 
 #endif

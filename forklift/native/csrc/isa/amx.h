@@ -14,6 +14,18 @@ static inline int amx_tiles_granted(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
 
+/* amx_tiles_granted, asked of the kernel once per process (the answer never changes): the
+ * matmuls and attention ask before every call that would use the tiles. */
+static inline int amx_tiles_usable(void) {
+    static int usable = -1; /* -1: not asked yet; threads that race store the same answer */
+    int known = __atomic_load_n(&usable, __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = amx_tiles_granted();
+        __atomic_store_n(&usable, known, __ATOMIC_RELAXED);
+    }
+    return known;
+}
+
 /* ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row and rows. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];

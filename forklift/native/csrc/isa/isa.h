@@ -6,7 +6,8 @@
  * - LANES: floats in one register of the element-wise loops;
  * - the algorithm selectors the operations' drivers pick their kernels by
  *   (FORKLIFT_PAIRED_GROUPS, FORKLIFT_QUANT_TILES, FORKLIFT_DENSE_TILES, ATTENTION_TILES,
- *   SCORE_FROM_BF16) and the tuning that follows the instruction set (PREFETCH_BLOCKS).
+ *   SCORE_FROM_BF16, ATTENTION_AMX) and the tuning that follows the instruction set
+ *   (PREFETCH_BLOCKS).
  * Every choice keeps the condition the kernels were first written under, so a build takes
  * the same code, and gives the same bits, as before the layout. */
 #ifndef FORKLIFT_ISA_H
@@ -108,6 +109,11 @@
 #define ATTENTION_TILES 1
 #if defined(FORKLIFT_HAS_AVX512_BF16)
 #define SCORE_FROM_BF16 1
+#endif
+/* ... and their dot products and value sums as AMX-BF16 tile products (the weights rounded
+ * to bf16) where the tiles build, for a bf16 cache (paged_attention_amx.h). */
+#if defined(FORKLIFT_HAS_AMX_BF16) && defined(FORKLIFT_HAS_AVX512_BF16)
+#define ATTENTION_AMX 1
 #endif
 #endif
 

@@ -1,0 +1,269 @@
+/* Attention on AMX-BF16 tiles (ATTENTION_AMX) for a bf16 cache: one task of
+ * paged_attention_avx512.h's attend_range (a run of rows reading the same blocks, one KV
+ * head, one chunk of positions) with its dot products and value sums as tile products.
+ *
+ * The task's query vectors go in blocks of sixteen. For each block and each tile of sixteen
+ * positions any of its rows attends to:
+ * - scores: the sixteen key rows (an A tile, straight from the cache where their slots are
+ *   consecutive) against the block's queries as bf16 pairs (a B tile, the block transposed
+ *   once), 32 dimensions a product; the 16 x 16 result transposed to a row per query;
+ * - each query's weights exp(s - max) rounded to bf16 (the weights the products multiply,
+ *   and the ones the total sums), then the values: weights (an A tile of sixteen positions)
+ *   against the tile's value rows interleaved in position pairs (B tiles, packed once per
+ *   task), sixteen output values a tile, four tiles of sums at a time.
+ *
+ * A tile product's every output depends on its own A row and B column only, positions are
+ * tiled from fixed multiples of sixteen, and a tile a query does not attend to adds exact
+ * zeros (weights 0 against finite rows): a row's result is the same bits whatever rows share
+ * its block, its task or its step, and whether it is a prompt's row or a decode row.
+ */
+#ifndef FORKLIFT_PAGED_ATTENTION_AMX_H
+#define FORKLIFT_PAGED_ATTENTION_AMX_H
+
+/* Tiles 0-3: a block's value sums, sixteen output values each (tile 0 holds a tile's
+ * scores before them); 4: sixteen key rows, 32 dimensions; 5: the block's queries at the
+ * same dimensions as bf16 pairs; 6: the block's weights at sixteen positions; 7: those
+ * positions' value rows as pairs, sixteen output values. */
+static inline void attention_tiles_configure(void) {
+    AmxTileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    config.colsb[6] = 32; /* sixteen positions of bf16 weights */
+    config.rows[7] = 8;   /* their eight pairs of value rows */
+    _tile_loadconfig(&config);
+}
+
+/* dst row j = src column j for 16 x 16 four-byte elements (rows `src_stride` and
+ * `dst_stride` bytes apart): pairs of rows interleaved by element, then by element pair,
+ * then the 4 x 4 grid of 128-bit lanes transposed. */
+static inline void transpose16(const char *src, size_t src_stride, char *dst, size_t dst_stride) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * src_stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* r[4g + c], lane L: column 4L + c, rows 4g .. 4g + 3 */
+    for (int g = 0; g < 16; g += 4) {
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i low_ab = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i high_ab = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        const __m512i low_cd = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i high_cd = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_storeu_si512(dst + c * dst_stride, _mm512_shuffle_i32x4(low_ab, low_cd, 0x88));
+        _mm512_storeu_si512(dst + (4 + c) * dst_stride, _mm512_shuffle_i32x4(low_ab, low_cd, 0xdd));
+        _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(high_ab, high_cd, 0x88));
+        _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(high_ab, high_cd, 0xdd));
+    }
+}
+
+/* Two value rows (positions 2k, 2k + 1) as one row of pairs: value d of both side by side. */
+static inline void interleave_rows(const uint16_t *even, const uint16_t *odd, int64_t head_dim,
+                                   uint16_t *dst) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                         1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        const __m512i a = _mm512_loadu_si512(even + d), b = _mm512_loadu_si512(odd + d);
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+    }
+}
+
+/* exp(x) for x <= 0, 0 for -inf: 2^n p(r), x = n ln2 + r, |r| <= ln2 / 2, p the series to
+ * r^5 (relative error about 3e-6, far inside the bf16 rounding the weights take next),
+ * 2^n applied by vscalefps; below -87 as at -87. */
+static inline __m512 exp_weights(__m512 x) {
+    const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 120), _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(finite, p, n);
+}
+
+/* One query vector's scores at the block's live tiles (a row of `scores`, as the tile
+ * products left them) into weights: scale and bias applied (positions at or past `to` get
+ * -inf), the largest score found, exp(s - largest) rounded to bf16 into `weights`, whose
+ * sum (lanes by position mod 16, tile by tile, then the lanes in order) is the total. */
+static inline __attribute__((always_inline)) void weigh_scores(
+    float *scores, uint16_t *weights, const uint16_t *live, int64_t tiles,
+    const float *bias_row, int64_t base, int64_t to, float scale, float *largest,
+    float *total) {
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    const __m512 scales = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < tiles; i++) {
+        if (live[i] == 0) continue;
+        const int64_t t0 = base + 16 * i;
+        __m512 bias;
+        if (t0 + 16 <= to) {
+            bias = _mm512_loadu_ps(bias_row + t0);
+        } else {
+            float tail[16];
+            for (int p = 0; p < 16; p++) tail[p] = t0 + p < to ? bias_row[t0 + p] : -INFINITY;
+            bias = _mm512_loadu_ps(tail);
+        }
+        const __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(scores + 16 * i), scales, bias);
+        _mm512_storeu_ps(scores + 16 * i, s);
+        most = _mm512_max_ps(most, s);
+    }
+    const float m = _mm512_reduce_max_ps(most);
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t i = 0; i < tiles; i++) {
+        if (live[i] == 0) continue;
+        const __m512 e = m == -INFINITY
+                             ? _mm512_setzero_ps()
+                             : exp_weights(_mm512_sub_ps(_mm512_loadu_ps(scores + 16 * i),
+                                                         _mm512_set1_ps(m)));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i *)(weights + 16 * i), rounded);
+        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(
+                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    }
+    float sum = 0.0f;
+    for (int p = 0; p < 16; p++) sum += lanes[p];
+    *largest = m;
+    *total = sum;
+}
+
+/* Four tiles of value sums (outputs `first` .. first + 63) over the block's live tiles. */
+static inline __attribute__((always_inline)) void value_tiles(
+    const uint16_t *weights, int64_t span, const uint16_t *pairs, const uint16_t *live,
+    int64_t tiles, int64_t head_dim, int64_t first, float *sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const size_t pair_bytes = (size_t)head_dim * 4;
+    for (int64_t i = 0; i < tiles; i++) {
+        if (live[i] == 0) continue;
+        const uint16_t *tile_pairs = pairs + i * 16 * head_dim + 2 * first;
+        _tile_loadd(6, weights + 16 * i, (size_t)span * 2);
+        _tile_loadd(7, tile_pairs, pair_bytes);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, tile_pairs + 32, pair_bytes);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, tile_pairs + 64, pair_bytes);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, tile_pairs + 96, pair_bytes);
+        _tile_dpbf16ps(3, 6, 7);
+    }
+    const size_t row_bytes = (size_t)head_dim * 4;
+    _tile_stored(0, sums + first, row_bytes);
+    _tile_stored(1, sums + first + 16, row_bytes);
+    _tile_stored(2, sums + first + 32, row_bytes);
+    _tile_stored(3, sums + first + 48, row_bytes);
+}
+
+/* attend_range's scores, weights and value sums on tiles for the task's `count` query
+ * vectors (queries: [count, head_dim] bf16; query_bias[j]: vector j's bias row), over the
+ * live tiles from position `base` (masks: positions any of the task's rows attends to;
+ * slots: each position's cache slot, every live tile's dead positions filled with a live
+ * one). Leaves each vector's unnormalised sums in acc, its largest score and its total
+ * weight. Returns 1 when scratch memory ran out. */
+static inline __attribute__((always_inline)) int attend_amx(
+    const uint16_t *queries, int64_t count, const float *const *query_bias,
+    const char *k_head, const char *v_head, const int64_t *slots, const uint16_t *masks,
+    int64_t tiles, int64_t base, int64_t to, float scale, int64_t head_dim, float *acc,
+    float *max_score, float *total) {
+    const int64_t span = 16 * tiles, chunks = head_dim / 32;
+    const size_t row_bytes = (size_t)head_dim * 2;
+    /* keys: tiles whose slots are not consecutive, copied; pairs: value rows interleaved;
+     * block_queries: a last block padded with zeros; transposed: a block's queries as B
+     * tiles; scores: [16, span]; weights: [16, span] bf16; scores_t: one tile's product;
+     * sums: [16, head_dim]. */
+    const size_t elements = (size_t)(2 * span * head_dim + 2 * 16 * head_dim + 2 * 16 * span +
+                                     16 * span + 2 * 256 + 2 * 16 * head_dim);
+    uint16_t *scratch = aligned_alloc(64, (elements * 2 + 63) / 64 * 64);
+    if (scratch == NULL) return 1;
+    uint16_t *keys = scratch, *pairs = keys + span * head_dim;
+    uint16_t *block_queries = pairs + span * head_dim, *transposed = block_queries + 16 * head_dim;
+    float *scores = (float *)(transposed + 16 * head_dim);
+    uint16_t *weights = (uint16_t *)(scores + 16 * span);
+    float *scores_t = (float *)(weights + 16 * span), *sums = scores_t + 256;
+    const char *key_rows[tiles + 1];
+
+    for (int64_t i = 0; i < tiles; i++) {
+        if (masks[i] == 0) continue;
+        const int64_t *tile_slots = slots + 16 * i;
+        int consecutive = 1;
+        for (int p = 1; p < 16; p++) consecutive &= tile_slots[p] == tile_slots[0] + p;
+        if (consecutive) {
+            key_rows[i] = k_head + (size_t)tile_slots[0] * row_bytes;
+        } else {
+            uint16_t *copy = keys + i * 16 * head_dim;
+            for (int p = 0; p < 16; p++)
+                memcpy(copy + p * head_dim, k_head + (size_t)tile_slots[p] * row_bytes, row_bytes);
+            key_rows[i] = (const char *)copy;
+        }
+        for (int k = 0; k < 8; k++)
+            interleave_rows((const uint16_t *)(v_head + (size_t)tile_slots[2 * k] * row_bytes),
+                            (const uint16_t *)(v_head + (size_t)tile_slots[2 * k + 1] * row_bytes),
+                            head_dim, pairs + (i * 8 + k) * 2 * head_dim);
+    }
+
+    attention_tiles_configure();
+    uint16_t live[tiles + 1];
+    for (int64_t first = 0; first < count; first += 16) {
+        const int64_t n = count - first < 16 ? count - first : 16;
+        const uint16_t *block = queries + first * head_dim;
+        if (n < 16) {
+            memcpy(block_queries, block, (size_t)n * row_bytes);
+            memset(block_queries + n * head_dim, 0, (size_t)(16 - n) * row_bytes);
+            memset(weights + n * span, 0, (size_t)(16 - n) * span * 2);
+            block = block_queries;
+        }
+        for (int64_t c = 0; c < chunks; c++)
+            transpose16((const char *)(block + 32 * c), row_bytes,
+                        (char *)(transposed + 512 * c), 64);
+        /* The tiles any of the block's vectors attends to. */
+        for (int64_t i = 0; i < tiles; i++) {
+            unsigned mask = 0;
+            if (masks[i] != 0)
+                for (int64_t j = 0; j < n; j++)
+                    if (j == 0 || query_bias[first + j] != query_bias[first + j - 1])
+                        mask |= tile_mask(query_bias[first + j], base + 16 * i, to);
+            live[i] = (uint16_t)mask;
+        }
+
+        for (int64_t i = 0; i < tiles; i++) {
+            if (live[i] == 0) continue;
+            _tile_zero(0);
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(4, key_rows[i] + 64 * c, row_bytes);
+                _tile_loadd(5, transposed + 512 * c, 64);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, scores_t, 64);
+            transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i), (size_t)span * 4);
+        }
+
+        for (int64_t j = 0; j < n; j++)
+            weigh_scores(scores + j * span, weights + j * span, live, tiles,
+                         query_bias[first + j], base, to, scale, &max_score[first + j],
+                         &total[first + j]);
+
+        for (int64_t d = 0; d < head_dim; d += 64)
+            value_tiles(weights, span, pairs, live, tiles, head_dim, d, sums);
+        memcpy(acc + first * head_dim, sums, (size_t)n * head_dim * sizeof(float));
+    }
+    amx_tiles_release();
+    free(scratch);
+    return 0;
+}
+
+#endif
