@@ -5,28 +5,68 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX512_H
 #define FORKLIFT_QUANT_MATMUL_AVX512_H
 
+/* Block b of a row quantized with its scale's reciprocal `inverse` (broadcast): its codes
+ * into the row, their sum (an exact integer) returned as a float. Not contracted: x *
+ * inverse is rounded before the rounding constant is added (GCC's vector intrinsics are
+ * plain arithmetic to it, fused across statements unless told). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline __attribute__((always_inline)) float16_vector quantize_block(
+    const float *x, int64_t b, __m512 inverse, QuantizedRow row) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+    const __m512 r_lo = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic);
+    const __m512 r_hi = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic);
+    _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r_lo)));
+    _mm_storeu_si128((__m128i *)(row.q + b * QK + 16),
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r_hi)));
+    return (float16_vector)_mm512_add_ps(r_lo, r_hi);
+}
+
+/* The largest magnitude of block b, in each of sixteen lanes (not yet combined). */
+static inline __m512 block_magnitudes(const float *x, int64_t b) {
+    return _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + b * QK)),
+                         _mm512_abs_ps(_mm512_loadu_ps(x + b * QK + 16)));
+}
+
 /* quantize_row's work on AVX-512, each block of 32 as two vectors: the same operations on
  * the same values (the largest magnitude, one division, one reciprocal, a product rounded
- * before the rounding constant is added), so the same codes, scales and sums bit for bit; a
- * prefill chunk spent a tenth of its time quantizing rows one value at a time. */
+ * before the rounding constant is added; codes' sums are exact integers in any order), so
+ * the same codes, scales and sums bit for bit; a prefill chunk spent a tenth of its time
+ * quantizing rows one value at a time. Sixteen blocks at a time share the horizontal work:
+ * their maxima and sums combined as the lanes of one vector (combine16), their scales and
+ * reciprocals one vector division each. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
 static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow row) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    for (int64_t b = 0; b < k / QK; b++) {
-        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
-                                                              _mm512_abs_ps(hi)));
+    const int64_t blocks = k / QK;
+    int64_t b = 0;
+    for (; b + 16 <= blocks; b += 16) {
+        float16_vector parts[16];
+        for (int p = 0; p < 16; p++) parts[p] = (float16_vector)block_magnitudes(x, b + p);
+        const __m512 d = _mm512_div_ps((__m512)combine16(parts, 1), _mm512_set1_ps(127.0f));
+        const __mmask16 positive = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 inverse = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), d);
+        for (int p = 0; p < 16; p++)
+            parts[p] = quantize_block(x, b + p, _mm512_permutexvar_ps(_mm512_set1_epi32(p), inverse),
+                                      row);
+        const __m512 sums = (__m512)combine16(parts, 0);
+        _mm512_storeu_ps(row.xd + b, d);
+        _mm512_storeu_ps(row.xs + b, _mm512_mul_ps(d, sums));
+        _mm512_storeu_si512(row.offset + b,
+                            _mm512_slli_epi32(_mm512_cvttps_epi32(sums), 7)); /* 128 x sum */
+    }
+    for (; b < blocks; b++) {
+        const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
         const float d = amax / 127.0f;
-        const __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-        const __m512i q_lo = _mm512_cvttps_epi32(
-            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic));
-        const __m512i q_hi = _mm512_cvttps_epi32(
-            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic));
-        _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(q_lo));
-        _mm_storeu_si128((__m128i *)(row.q + b * QK + 16), _mm512_cvtepi32_epi8(q_hi));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+        const float16_vector codes =
+            quantize_block(x, b, _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), row);
+        const float sum = _mm512_reduce_add_ps((__m512)codes);
         row.xd[b] = d;
-        row.xs[b] = d * (float)sum;
-        row.offset[b] = 128 * sum;
+        row.xs[b] = d * sum;
+        row.offset[b] = 128 * (int32_t)sum;
     }
 }
 
