@@ -58,11 +58,12 @@ elif kind == "offline":
     outs = llm.chat(convs, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result["tok_s"] = tokens / (time.perf_counter() - start)
-elif kind == "decode8":
-    # 8 sequences decoding 128 tokens at a context of 564: the time with 129 output tokens
-    # less the time with one (the same prefill, no cache).
+elif kind in ("decode1", "decode8"):
+    # 1 or 8 sequences decoding 128 tokens at a context of 564: the time with 129 output
+    # tokens less the time with one (the same prefill, no cache).
+    batch = int(kind.removeprefix("decode"))
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 564)]}
-               for _ in range(8)]
+               for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     spans = {}
     for tokens in (1, 129):
@@ -70,7 +71,7 @@ elif kind == "decode8":
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         spans[tokens] = time.perf_counter() - start
-    result["tok_s"] = 8 * 128 / (spans[129] - spans[1])
+    result["tok_s"] = batch * 128 / (spans[129] - spans[1])
 elif kind == "invariance":
     # The same temperature-0 chat turn alone, beside 7 others, and after a request that left
     # part of it in the prefix cache: how many of the comparisons differ.
@@ -91,7 +92,7 @@ elif kind == "invariance":
 print("RESULT " + json.dumps(result))
 """
 
-KINDS = ("prefill", "offline", "decode8", "invariance")
+KINDS = ("prefill", "offline", "decode1", "decode8", "invariance")
 
 
 def llama_bench_pp512(binary: str) -> float:
@@ -154,8 +155,8 @@ def main() -> None:
         f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} rounds "
         "(each measurement a fresh process). prefill: 4 prompts of 512 random tokens, one "
         "output token (median of 3 after a warm-up); offline: 32 chat requests x 128 tokens "
-        "(offline-mixed); decode8: 8 sequences at a context of 564 decoding 128 tokens (the "
-        "time with 129 output tokens less the time with one); "
+        "(offline-mixed); decode1, decode8: 1 or 8 sequences at a context of 564 decoding 128 "
+        "tokens (the time with 129 output tokens less the time with one); "
         "invariance: 10 chat turns of 24 tokens at temperature 0, each alone against beside 7 "
         "others and after a request that left part of it in the prefix cache.",
         "",
