@@ -399,10 +399,16 @@ def test_the_default_model_on_an_int8_cache(default_source):
     assert _result(llm, prompt, GREEDY, others) == alone
     assert _result(llm, prompt, GREEDY) == alone
     assert llm.llm_engine.prefix_cache_stats().hit_tokens >= 32
-    # Close to the unquantized cache: the same greedy tokens, each chosen token's logprob a
-    # few hundredths away on average (as the native step and the PyTorch layers are apart on
-    # this model); benchmarks/kv-cache-int8-quality.md measures the whole distribution.
+    # Close to the unquantized cache by vLLM's check_logprobs_close: the same greedy tokens
+    # up to the first that differs, where each side's token is among the other's top
+    # logprobs (a near tie: this prompt's eighth token is one within 0.06 on either cache),
+    # each chosen token's logprob before it a few hundredths away on average (as the native
+    # step and the PyTorch layers are apart on this model);
+    # benchmarks/kv-cache-int8-quality.md measures the whole distribution.
     plain = _result(engine(), prompt, GREEDY)
-    assert alone[0] == plain[0]
-    gaps = [abs(alone[1][i][t] - plain[1][i][t]) for i, t in enumerate(plain[0])]
+    agree = next((i for i, (a, b) in enumerate(zip(alone[0], plain[0])) if a != b), len(plain[0]))
+    assert agree >= 4, (alone[0], plain[0])
+    if agree < len(plain[0]):
+        assert alone[0][agree] in plain[1][agree] and plain[0][agree] in alone[1][agree]
+    gaps = [abs(alone[1][i][t] - plain[1][i][t]) for i, t in enumerate(plain[0][:agree])]
     assert sum(gaps) / len(gaps) < 0.06 and max(gaps) < 0.3, gaps
