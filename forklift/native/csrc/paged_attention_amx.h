@@ -200,6 +200,12 @@ static inline __attribute__((always_inline)) int attend_amx(
     for (int64_t i = 0; i < tiles; i++) {
         if (masks[i] == 0) continue;
         const int64_t *tile_slots = slots + 16 * i;
+        /* A decode row's cache rows come from memory: the value rows TILE_AHEAD tiles on
+         * into L1 for this loop, the key rows into L2 for the score products after it. */
+        if (i + TILE_AHEAD < tiles && masks[i + TILE_AHEAD] != 0)
+            for (int p = 0; p < 16; p++)
+                prefetch_row(v_head, tile_slots[16 * TILE_AHEAD + p], row_bytes);
+        for (int p = 0; p < 16; p++) prefetch_row_l2(k_head, tile_slots[p], row_bytes);
         int consecutive = 1;
         for (int p = 1; p < 16; p++) consecutive &= tile_slots[p] == tile_slots[0] + p;
         if (consecutive) {
