@@ -406,7 +406,8 @@ def test_the_default_model_on_an_int8_cache(default_source):
     # step and the PyTorch layers are apart on this model);
     # benchmarks/kv-cache-int8-quality.md measures the whole distribution.
     plain = _result(engine(), prompt, GREEDY)
-    agree = next((i for i, (a, b) in enumerate(zip(alone[0], plain[0])) if a != b), len(plain[0]))
+    pairs = enumerate(zip(alone[0], plain[0], strict=True))
+    agree = next((i for i, (a, b) in pairs if a != b), len(plain[0]))
     assert agree >= 4, (alone[0], plain[0])
     if agree < len(plain[0]):
         assert alone[0][agree] in plain[1][agree] and plain[0][agree] in alone[1][agree]
