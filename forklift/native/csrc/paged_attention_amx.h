@@ -255,7 +255,17 @@ static inline __attribute__((always_inline)) int attend_amx(
                 _tile_dpbf16ps(0, 4, 5);
             }
             _tile_stored(0, scores_t, 64);
-            transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i), (size_t)span * 4);
+            if (n > 4) {
+                transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i),
+                            (size_t)span * 4);
+            } else { /* a decode row's few vectors: their columns gathered, not all sixteen */
+                const __m512i column = _mm512_mullo_epi32(
+                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                    _mm512_set1_epi32(16));
+                for (int64_t j = 0; j < n; j++)
+                    _mm512_storeu_ps(scores + j * span + 16 * i,
+                                     _mm512_i32gather_ps(column, scores_t + j, 4));
+            }
         }
 
         for (int64_t j = 0; j < n; j++)
