@@ -179,6 +179,27 @@ def test_int4_blocks_hold_the_groups_exactly(kernel):
     assert blocks.nbytes == 3 * 8 * (k // 32) * (16 + 2 + 2)  # three row groups of eight
 
 
+@pytest.mark.parametrize("form", ["int4", "int8"])
+@pytest.mark.parametrize("k", [64, 576])  # the per-block form alone; sixteen blocks at a time
+def test_a_block_too_small_for_its_scale_quantizes_to_zeros(kernel, form, k):
+    """A block whose largest magnitude makes max / 127 a denormal (its reciprocal overflows)
+    adds nothing: the product equals the reference with that block zeroed, finite, on every
+    row count (q4's offset term would carry an overflowed sum into every output)."""
+    torch.manual_seed(k)
+    build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
+    blocks = build(torch.randn(24, k), kernel)
+    exact = blocks.dequantize()
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, k)
+        x[:, 32:64] = torch.linspace(-1e-38, 1e-38, 32)
+        got = blocks.linear(x)
+        zeroed = x.clone()
+        zeroed[:, 32:64] = 0.0
+        want = quant_matmul_reference(zeroed, exact)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
 def test_fp16_activations_compute_in_fp32(kernel):
     torch.manual_seed(2)
     blocks = BlockInt8.from_dense(torch.randn(16, 64), kernel)

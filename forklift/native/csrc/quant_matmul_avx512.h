@@ -5,23 +5,24 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX512_H
 #define FORKLIFT_QUANT_MATMUL_AVX512_H
 
-/* Block b of a row quantized with its scale's reciprocal `inverse` (broadcast): its codes
- * into the row, their sum (an exact integer) returned as a float. Not contracted: x *
+/* Block b of a row quantized with its scale's reciprocal `inverse` (broadcast; 0 for a
+ * block of zeros or of values so small that the reciprocal would overflow): its codes into
+ * the row, and sixteen lanes of their integer sums. Not contracted: x *
  * inverse is rounded before the rounding constant is added (GCC's vector intrinsics are
  * plain arithmetic to it, fused across statements unless told). */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-static inline __attribute__((always_inline)) float16_vector quantize_block(
+static inline __attribute__((always_inline)) __m512i quantize_block(
     const float *x, int64_t b, __m512 inverse, QuantizedRow row) {
     const __m512 magic = _mm512_set1_ps(12582912.0f);
     const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
     const __m512 r_lo = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic);
     const __m512 r_hi = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic);
-    _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r_lo)));
-    _mm_storeu_si128((__m128i *)(row.q + b * QK + 16),
-                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r_hi)));
-    return (float16_vector)_mm512_add_ps(r_lo, r_hi);
+    const __m512i q_lo = _mm512_cvttps_epi32(r_lo), q_hi = _mm512_cvttps_epi32(r_hi);
+    _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(q_lo));
+    _mm_storeu_si128((__m128i *)(row.q + b * QK + 16), _mm512_cvtepi32_epi8(q_hi));
+    return _mm512_add_epi32(q_lo, q_hi);
 }
 
 /* The largest magnitude of block b, in each of sixteen lanes (not yet combined). */
@@ -35,8 +36,8 @@ static inline __m512 block_magnitudes(const float *x, int64_t b) {
  * before the rounding constant is added; codes' sums are exact integers in any order), so
  * the same codes, scales and sums bit for bit; a prefill chunk spent a tenth of its time
  * quantizing rows one value at a time. Sixteen blocks at a time share the horizontal work:
- * their maxima and sums combined as the lanes of one vector (combine16), their scales and
- * reciprocals one vector division each. */
+ * their maxima and sums combined as the lanes of one vector (combine16; the sums as floats,
+ * exact for these small integers), their scales and reciprocals one vector division each. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
@@ -48,10 +49,13 @@ static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow 
         for (int p = 0; p < 16; p++) parts[p] = (float16_vector)block_magnitudes(x, b + p);
         const __m512 d = _mm512_div_ps((__m512)combine16(parts, 1), _mm512_set1_ps(127.0f));
         const __mmask16 positive = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
-        const __m512 inverse = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), d);
+        const __m512 reciprocal = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), d);
+        /* a denormal scale's reciprocal overflows: such a block's codes are all 0 */
+        const __m512 inverse = _mm512_maskz_mov_ps(
+            _mm512_cmp_ps_mask(reciprocal, _mm512_set1_ps(INFINITY), _CMP_LT_OQ), reciprocal);
         for (int p = 0; p < 16; p++)
-            parts[p] = quantize_block(x, b + p, _mm512_permutexvar_ps(_mm512_set1_epi32(p), inverse),
-                                      row);
+            parts[p] = (float16_vector)_mm512_cvtepi32_ps(quantize_block(
+                x, b + p, _mm512_permutexvar_ps(_mm512_set1_epi32(p), inverse), row));
         const __m512 sums = (__m512)combine16(parts, 0);
         _mm512_storeu_ps(row.xd + b, d);
         _mm512_storeu_ps(row.xs + b, _mm512_mul_ps(d, sums));
@@ -61,12 +65,12 @@ static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow 
     for (; b < blocks; b++) {
         const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
         const float d = amax / 127.0f;
-        const float16_vector codes =
-            quantize_block(x, b, _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), row);
-        const float sum = _mm512_reduce_add_ps((__m512)codes);
+        const float reciprocal = d > 0.0f ? 1.0f / d : 0.0f;
+        const float inverse = reciprocal < INFINITY ? reciprocal : 0.0f;
+        const int32_t sum = _mm512_reduce_add_epi32(quantize_block(x, b, _mm512_set1_ps(inverse), row));
         row.xd[b] = d;
-        row.xs[b] = d * sum;
-        row.offset[b] = 128 * (int32_t)sum;
+        row.xs[b] = d * (float)sum;
+        row.offset[b] = 128 * sum;
     }
 }
 
