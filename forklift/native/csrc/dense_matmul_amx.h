@@ -127,6 +127,6 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
 }
 
 /* 1 where the kernel grants this process the tile state. */
-static inline int dense_tiles_available(void) { return amx_tiles_granted(); }
+static inline int dense_tiles_available(void) { return amx_tiles_usable(); }
 
 #endif

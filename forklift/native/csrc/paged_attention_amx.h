@@ -6,7 +6,8 @@
  * positions any of its rows attends to:
  * - scores: the sixteen key rows (an A tile, straight from the cache where their slots are
  *   consecutive) against the block's queries as bf16 pairs (a B tile, the block transposed
- *   once), 32 dimensions a product; the 16 x 16 result transposed to a row per query;
+ *   once), 32 dimensions a product; the 16 x 16 result transposed to a row per query (a
+ *   block of up to four vectors gathers its columns: the same values);
  * - each query's weights exp(s - max) rounded to bf16 (the weights the products multiply,
  *   and the ones the total sums), then the values: weights (an A tile of sixteen positions)
  *   against the tile's value rows interleaved in position pairs (B tiles, packed once per
@@ -15,7 +16,9 @@
  * A tile product's every output depends on its own A row and B column only, positions are
  * tiled from fixed multiples of sixteen, and a tile a query does not attend to adds exact
  * zeros (weights 0 against finite rows): a row's result is the same bits whatever rows share
- * its block, its task or its step, and whether it is a prompt's row or a decode row.
+ * its block, its task or its step, and whether it is a prompt's row or a decode row. (A sum
+ * the tiles flushed to -0 could turn +0 by such a zero tile: the sums are copied out plus
+ * +0, so a zero is always +0.)
  */
 #ifndef FORKLIFT_PAGED_ATTENTION_AMX_H
 #define FORKLIFT_PAGED_ATTENTION_AMX_H
@@ -119,7 +122,7 @@ static inline __attribute__((always_inline)) void weigh_scores(
         }
         const __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(scores + 16 * i), scales, bias);
         _mm512_storeu_ps(scores + 16 * i, s);
-        most = _mm512_max_ps(most, s);
+        most = _mm512_max_ps(s, most); /* a NaN score never becomes the maximum */
     }
     const float m = _mm512_reduce_max_ps(most);
     __m512 lanes = _mm512_setzero_ps();
@@ -182,6 +185,14 @@ static inline __attribute__((always_inline)) int attend_amx(
     float *max_score, float *total) {
     const int64_t span = 16 * tiles, chunks = head_dim / 32;
     const size_t row_bytes = (size_t)head_dim * 2;
+    if (tiles == 0) { /* nothing attended in this range: weights 0 */
+        for (int64_t j = 0; j < count; j++) {
+            max_score[j] = -INFINITY;
+            total[j] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
+        return 0;
+    }
     /* keys: tiles whose slots are not consecutive, copied; pairs: value rows interleaved;
      * block_queries: a last block padded with zeros; transposed: a block's queries as B
      * tiles; scores: [16, span]; weights: [16, span] bf16; scores_t: one tile's product;
@@ -275,7 +286,9 @@ static inline __attribute__((always_inline)) int attend_amx(
 
         for (int64_t d = 0; d < head_dim; d += 64)
             value_tiles(weights, span, pairs, live, tiles, head_dim, d, sums);
-        memcpy(acc + first * head_dim, sums, (size_t)n * head_dim * sizeof(float));
+        for (int64_t e = 0; e < n * head_dim; e += 16) /* -0 as +0 (see the top) */
+            _mm512_storeu_ps(acc + first * head_dim + e,
+                             _mm512_add_ps(_mm512_loadu_ps(sums + e), _mm512_setzero_ps()));
     }
     amx_tiles_release();
     free(scratch);

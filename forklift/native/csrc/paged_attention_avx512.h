@@ -10,7 +10,9 @@
  *   bias rows); tiles outside the first and last live ones are never touched;
  * - the key rows of a tile serve every query vector (read as bf16 pairs by vdpbf16ps with
  *   AVX512_BF16, else widened to fp32 once), the sixteen dot products of a vector summed
- *   together (sum16) and stored whole;
+ *   together (sum16) and stored whole; where AMX-BF16 tiles build and the kernel grants
+ *   them, a bf16 cache's scores and value sums are tile products instead
+ *   (paged_attention_amx.h);
  * - positions no row attends to inside a live tile load a live row instead: their weight is
  *   exactly 0, so every position of a tile is summed without a branch, with the same result
  *   as skipping it.

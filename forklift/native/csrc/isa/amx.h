@@ -1,6 +1,6 @@
 /* AMX's shared pieces (the tile kernels live with their operations: quant_matmul_amx.h,
- * dense_matmul_amx.h): the process's grant of the tile state, ldtilecfg's operand, and
- * tile-state release. */
+ * dense_matmul_amx.h, paged_attention_amx.h): the process's grant of the tile state (asked
+ * once: amx_tiles_usable), ldtilecfg's operand, and tile-state release. */
 #ifndef FORKLIFT_ISA_AMX_H
 #define FORKLIFT_ISA_AMX_H
 
