@@ -111,15 +111,7 @@ static inline __attribute__((always_inline)) void weigh_scores(
     const __m512 scales = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < tiles; i++) {
         if (live[i] == 0) continue;
-        const int64_t t0 = base + 16 * i;
-        __m512 bias;
-        if (t0 + 16 <= to) {
-            bias = _mm512_loadu_ps(bias_row + t0);
-        } else {
-            float tail[16];
-            for (int p = 0; p < 16; p++) tail[p] = t0 + p < to ? bias_row[t0 + p] : -INFINITY;
-            bias = _mm512_loadu_ps(tail);
-        }
+        const __m512 bias = (__m512)tile_bias(bias_row, base + 16 * i, to);
         const __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(scores + 16 * i), scales, bias);
         _mm512_storeu_ps(scores + 16 * i, s);
         most = _mm512_max_ps(s, most); /* a NaN score never becomes the maximum */
@@ -270,9 +262,8 @@ static inline __attribute__((always_inline)) int attend_amx(
                 transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i),
                             (size_t)span * 4);
             } else { /* a decode row's few vectors: their columns gathered, not all sixteen */
-                const __m512i column = _mm512_mullo_epi32(
-                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                    _mm512_set1_epi32(16));
+                const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128,
+                                                        112, 96, 80, 64, 48, 32, 16, 0);
                 for (int64_t j = 0; j < n; j++)
                     _mm512_storeu_ps(scores + j * span + 16 * i,
                                      _mm512_i32gather_ps(column, scores_t + j, 4));

@@ -68,6 +68,14 @@ static inline unsigned tile_mask(const float *bias_row, int64_t t0, int64_t to) 
     return mask;
 }
 
+/* A bias row's values at tile t0 .. t0 + 15, -inf at positions at or past `end`. */
+static inline float16_vector tile_bias(const float *bias_row, int64_t t0, int64_t end) {
+    if (t0 + 16 <= end) return *(const float16_unaligned *)(bias_row + t0);
+    float16_vector bias;
+    for (int p = 0; p < 16; p++) bias[p] = t0 + p < end ? bias_row[t0 + p] : -INFINITY;
+    return bias;
+}
+
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
  * position t0 + p): each position's row scale (row_scales: a coded tile's; NULL: none),
  * scale and the vector's bias applied (positions at or past `end` get -inf), stored whole
@@ -75,11 +83,7 @@ static inline unsigned tile_mask(const float *bias_row, int64_t t0, int64_t to) 
 static inline __attribute__((always_inline)) void finish_scores(
     const float16_vector acc[16], const float *bias_row, int64_t t0, int64_t end, float scale,
     float *dst, float16_vector *max_lanes, const float16_vector *row_scales) {
-    float16_vector bias;
-    if (t0 + 16 <= end)
-        bias = *(const float16_unaligned *)(bias_row + t0);
-    else
-        for (int p = 0; p < 16; p++) bias[p] = t0 + p < end ? bias_row[t0 + p] : -INFINITY;
+    const float16_vector bias = tile_bias(bias_row, t0, end);
     const float16_vector dots = row_scales != NULL ? sum16(acc) * *row_scales : sum16(acc);
     const float16_vector s = dots * scale + bias;
     *(float16_unaligned *)dst = s;

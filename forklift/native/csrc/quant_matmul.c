@@ -5,7 +5,7 @@
 /* 1 where matmuls of 16 rows or more multiply on AMX tiles in this build and process. */
 int forklift_quant_tiles_available(void) {
 #if defined(FORKLIFT_QUANT_TILES)
-    return quant_tiles_usable();
+    return amx_tiles_usable();
 #else
     return 0;
 #endif

@@ -58,6 +58,13 @@ static inline float round_to_even(float v) {
     return (v + magic) - magic;
 }
 
+/* The multiplier of a block's codes from its scale d (max|x| / 127): 1 / d, or 0 for a block
+ * of zeros and for one so small that 1 / d overflows (a denormal d: its codes all 0). */
+static inline float block_inverse(float d) {
+    const float reciprocal = d > 0.0f ? 1.0f / d : 0.0f;
+    return reciprocal < INFINITY ? reciprocal : 0.0f;
+}
+
 /* This build's kernels, each from the widest instruction set that has one:
  * - quantize_row (an activation row into int8 blocks): AVX-512, else plain C;
  * - group_tile (eight outputs against up to four rows): AVX2 (also AVX-512's), else plain C;
@@ -281,7 +288,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win. */
     const RowStrides none = {0, 0, 0, 0};
-    const RowStrides strides = active >= QUANT_TILE_ROWS && quant_tiles_usable()
+    const RowStrides strides = active >= QUANT_TILE_ROWS && amx_tiles_usable()
                                    ? even_row_strides(views, active)
                                    : none;
 #elif defined(FORKLIFT_PAIRED_GROUPS)

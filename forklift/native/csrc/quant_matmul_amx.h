@@ -101,7 +101,4 @@ static inline RowStrides even_row_strides(const QuantizedRow *x, int64_t count) 
     return stride.q > 0 ? stride : none;
 }
 
-/* 1 where this process may use the tiles (every matmul of 16 rows or more asks). */
-static inline int quant_tiles_usable(void) { return amx_tiles_usable(); }
-
 #endif

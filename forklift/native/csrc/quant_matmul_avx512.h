@@ -50,7 +50,7 @@ static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow 
         const __m512 d = _mm512_div_ps((__m512)combine16(parts, 1), _mm512_set1_ps(127.0f));
         const __mmask16 positive = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
         const __m512 reciprocal = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), d);
-        /* a denormal scale's reciprocal overflows: such a block's codes are all 0 */
+        /* block_inverse's rule: a denormal scale's reciprocal overflows, its codes are 0 */
         const __m512 inverse = _mm512_maskz_mov_ps(
             _mm512_cmp_ps_mask(reciprocal, _mm512_set1_ps(INFINITY), _CMP_LT_OQ), reciprocal);
         for (int p = 0; p < 16; p++)
@@ -65,9 +65,8 @@ static inline void quantize_row_vectors(const float *x, int64_t k, QuantizedRow 
     for (; b < blocks; b++) {
         const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
         const float d = amax / 127.0f;
-        const float reciprocal = d > 0.0f ? 1.0f / d : 0.0f;
-        const float inverse = reciprocal < INFINITY ? reciprocal : 0.0f;
-        const int32_t sum = _mm512_reduce_add_epi32(quantize_block(x, b, _mm512_set1_ps(inverse), row));
+        const __m512 inverse = _mm512_set1_ps(block_inverse(d));
+        const int32_t sum = _mm512_reduce_add_epi32(quantize_block(x, b, inverse, row));
         row.xd[b] = d;
         row.xs[b] = d * (float)sum;
         row.offset[b] = 128 * sum;

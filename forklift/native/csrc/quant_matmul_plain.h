@@ -22,9 +22,7 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.0f;
-        const float reciprocal = d > 0.0f ? 1.0f / d : 0.0f;
-        /* a denormal scale's reciprocal overflows: such a block's codes are all 0 */
-        const float inverse = reciprocal < INFINITY ? reciprocal : 0.0f;
+        const float inverse = block_inverse(d);
         int32_t sum = 0;
         for (int i = 0; i < QK; i++) {
             const float scaled = xb[i] * inverse;
