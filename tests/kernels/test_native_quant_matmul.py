@@ -153,8 +153,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, form, preci
 @pytest.mark.parametrize("precise", [False, True])
 def test_prefill_sized_steps_equal_the_reference_and_each_row_alone(kernel, form, precise):
     """Prompt chunks run the same kernel: 1-600 rows (tiles of 16 with the pair's blocks
-    unpacked once, a tail on dot products) equal the float reference, and every row equals
-    its product alone, bit for bit."""
+    unpacked once, a tail on dot products, past 512 rows a second slab) equal the float
+    reference, and every row equals its product alone, bit for bit."""
     blocks, x, alone = _each_row_alone(kernel, form, precise, n=56, k=192, rows=600, seed=23)
     exact = blocks.dequantize()
     for rows in (1, 31, 32, 47, 100, 257, 600):

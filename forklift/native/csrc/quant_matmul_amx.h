@@ -6,6 +6,22 @@
 
 #define QUANT_TILE_ROWS 16
 
+/* Tile t of rows' scales (rows 16 t..16 t + 15 of x) transposed into the t-th TileScales of
+ * `all` (each `blocks` * 16 entries long). */
+static inline void transpose_tile_scales(const QuantizedRow *x, int64_t t, int64_t blocks,
+                                         TileScales all) {
+    const int64_t first = t * blocks * QUANT_TILE_ROWS;
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) {
+        const QuantizedRow row = x[t * QUANT_TILE_ROWS + r];
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = first + b * QUANT_TILE_ROWS + r;
+            all.xd[at] = row.xd[b];
+            all.xs[at] = row.xs[b];
+            all.offset[at] = row.offset[b];
+        }
+    }
+}
+
 /* Tiles 0, 1: a block's int32 sums (16 rows x 16 outputs), even and odd blocks; 2, 3: the
  * rows' codes of the block (16 x 32 bytes); 4, 5: the pair's unpacked codes (8 x 64 bytes,
  * vector c of unpack_pair_block as row c: the B operand's layout of four inputs per
@@ -42,11 +58,11 @@ static inline void quant_tiles_configure(void) {
  * the result is group_pair_tile's bit for bit, with a third of its instructions per row.
  * Pipelined: block b's product runs while block b - 1's sums are stored and block b - 2's
  * are scaled, so no step waits on the one before it. The rows' codes lie `stride` bytes
- * apart. sums[r * 16 + i]. */
+ * apart; their scales are `scales` (see TileScales). sums[r * 16 + i]. */
 static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
-    RowStrides stride, float *sums, int is_q4, const uint8_t *unpacked) {
+    int64_t stride, TileScales scales, float *sums, int is_q4, const uint8_t *unpacked) {
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
      * by then the slot's previous block has been scaled. */
@@ -58,9 +74,9 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
             if (unpacked == NULL) store_pair_block(codes0, codes1, b, is_q4, codes_tile[b & 1]);
             if (b & 1)
-                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride.q, tile);
+                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
             else
-                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride.q, tile);
+                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride, tile);
         }
         if (b >= 1 && b - 1 < blocks) {
             if ((b - 1) & 1)
@@ -73,14 +89,11 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const int32_t *done_sums = block_sums[done % 2];
             const __m512 wd = pair_scales(d0, d1, done);
             const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
-            /* Each row's scales found by its stride: the rows' pointers would be reloaded
-             * per block (the tile asm clobbers memory). */
-            const float *xd = x[0].xd + done, *xs = x[0].xs + done;
-            const int32_t *offset = x[0].offset + done;
+            const int64_t at = done * QUANT_TILE_ROWS;
             for (int r = 0; r < QUANT_TILE_ROWS; r++)
                 acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
-                                          xd + r * stride.xd, xs + r * stride.xs,
-                                          offset + r * stride.offset, is_q4);
+                                          scales.xd + at + r, scales.xs + at + r,
+                                          scales.offset + at + r, is_q4);
         }
     }
     for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
