@@ -1,10 +1,11 @@
 """The native block matmul of this tree against the one of a git revision, side by side in one
 process, on the default model's LM head shape (49152 x 576 Q8 blocks, precise activations, as
 the decode step runs it) and its 30 layers of projections (Q4 blocks, each layer its own
-weights): each build's kernel alternating, rows 1 to 32. Writes
-benchmarks/<dir>/<name>.{md,json} (name: quant-matmul-ab unless given).
+weights): each build's kernel alternating, rows 1 to 32 unless a comma-separated list of
+row counts is given (prefill chunks: 512, 2048). Writes benchmarks/<dir>/<name>.{md,json}
+(name: quant-matmul-ab unless given).
 
-Run: .venv/bin/python benchmarks/scripts/quant_matmul_ab.py REV [out_dir [name]]
+Run: .venv/bin/python benchmarks/scripts/quant_matmul_ab.py REV [out_dir [name [rows]]]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     revision = sys.argv[1]
     out_dir = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else ROOT / "benchmarks"
     stem = sys.argv[3] if len(sys.argv) > 3 else "quant-matmul-ab"
+    rows_list = tuple(int(r) for r in sys.argv[4].split(",")) if len(sys.argv) > 4 else ROWS
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(VOCAB, HIDDEN, generator=gen)
     layer_weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in SHAPES]
@@ -62,7 +64,7 @@ def main() -> None:
             for name, kernel in kernels.items()
         }
         results = []
-        for rows in ROWS:
+        for rows in rows_list:
             x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
             inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
             outputs = {name: head.linear(x) for name, head in heads.items()}
@@ -108,7 +110,10 @@ def main() -> None:
         ),
         "",
     ]
-    write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, stem))
+    extra = (",".join(map(str, rows_list)),) if rows_list != ROWS else ()
+    write_results(
+        out_dir, stem, report, lines, command_line(__file__, revision, out_dir, stem, *extra)
+    )
 
 
 if __name__ == "__main__":
