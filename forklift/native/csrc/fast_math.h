@@ -40,10 +40,14 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* sigmoid(z) with exp taken of -|z| only (no overflow): 1 / (1 + e) for z >= 0,
- * e / (1 + e) below, e = exp(-|z|). */
+ * e / (1 + e) below, e = exp(-|z|); the numerator selected by bits, so loops over it
+ * vectorise. */
 static inline float sigmoid1(float z) {
     const float e = exp_nonpositive(-fabsf(z));
-    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    const uint32_t below = 0u - (uint32_t)(z < 0.0f);
+    const float numerator = float_from_bits((bits_of_float(e) & below) |
+                                            (bits_of_float(1.0f) & ~below));
+    return numerator / (1.0f + e);
 }
 
 /* log(x) for a normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)), and

@@ -58,12 +58,16 @@ static int64_t linear_chains(const int64_t *reads, int64_t rows, int64_t *first,
     return chains;
 }
 
-/* Channels of one convolution task: a chain's window of each stays in registers. */
-#define CONV_CHANNEL_BLOCK 64
+/* Channels of one convolution task: a chain's window of each stays in memory the loops
+ * stream through (a decode step's chains are one token: blocks of 64 made a task of a few
+ * dozen operations). */
+#define CONV_CHANNEL_BLOCK 256
 
 /* The depthwise causal convolution and silu over the first `channels` values of each row
  * of `mixed` (row stride `stride`), into out [rows, channels]. Each task takes a chain and
- * a block of channels; the window slides token by token through the chain. */
+ * a block of channels; the window slides token by token through the chain. Each step runs
+ * across the block's channels at once (the loops vectorise), each channel's sum in the
+ * same order: its window oldest first, then the new input. */
 static void short_conv(const LinearLayer *layer, const float *mixed, int64_t stride,
                        int64_t channels, int64_t kernel, const int64_t *reads,
                        const int64_t *writes, const int64_t *chain_first,
@@ -76,26 +80,32 @@ static void short_conv(const LinearLayer *layer, const float *mixed, int64_t str
         const int64_t chain = task / blocks, c0 = (task % blocks) * CONV_CHANNEL_BLOCK;
         const int64_t width = channels - c0 < CONV_CHANNEL_BLOCK ? channels - c0 : CONV_CHANNEL_BLOCK;
         float window[history > 0 ? history : 1][CONV_CHANNEL_BLOCK];
+        float weight[kernel][CONV_CHANNEL_BLOCK];
+        float x[CONV_CHANNEL_BLOCK], sum[CONV_CHANNEL_BLOCK];
         const int64_t first = chain_first[chain];
+        for (int64_t j = 0; j < kernel; j++)
+            for (int64_t c = 0; c < width; c++)
+                weight[j][c] = dtype_value(layer->conv_weight, (c0 + c) * kernel + j, is_bf16);
         for (int64_t j = 0; j < history; j++)
             for (int64_t c = 0; c < width; c++)
                 window[j][c] = dtype_value(layer->conv_states,
                                            reads[first] * slot_size + j * channels + c0 + c,
                                            is_bf16);
         for (int64_t t = first; t < first + chain_length[chain]; t++) {
-            for (int64_t c = 0; c < width; c++) {
-                const int64_t channel = c0 + c;
-                float x = mixed[t * stride + channel];
-                if (is_bf16) x = bf16_to_float(float_to_bf16(x));
-                float sum = 0.0f;
-                for (int64_t j = 0; j < history; j++)
-                    sum += dtype_value(layer->conv_weight, channel * kernel + j, is_bf16) *
-                           window[j][c];
-                sum += dtype_value(layer->conv_weight, channel * kernel + history, is_bf16) * x;
-                for (int64_t j = 0; j + 1 < history; j++) window[j][c] = window[j + 1][c];
-                if (history > 0) window[history - 1][c] = x;
-                out[t * channels + channel] = sum * sigmoid1(sum);
-            }
+            const float *row = mixed + t * stride + c0;
+            if (is_bf16)
+                for (int64_t c = 0; c < width; c++) x[c] = bf16_to_float(float_to_bf16(row[c]));
+            else
+                memcpy(x, row, sizeof(float) * (size_t)width);
+            for (int64_t c = 0; c < width; c++) sum[c] = 0.0f;
+            for (int64_t j = 0; j < history; j++)
+                for (int64_t c = 0; c < width; c++) sum[c] += weight[j][c] * window[j][c];
+            for (int64_t c = 0; c < width; c++) sum[c] += weight[history][c] * x[c];
+            for (int64_t j = 0; j + 1 < history; j++)
+                memcpy(window[j], window[j + 1], sizeof(float) * (size_t)width);
+            if (history > 0) memcpy(window[history - 1], x, sizeof(float) * (size_t)width);
+            float *dst = out + t * channels + c0;
+            for (int64_t c = 0; c < width; c++) dst[c] = sum[c] * sigmoid1(sum[c]);
             if (writes[t] < 0) continue;
             for (int64_t j = 0; j < history; j++)
                 for (int64_t c = 0; c < width; c++)
@@ -111,6 +121,80 @@ static inline void l2_normalise(const float *x, int64_t n, float scale, float *o
     for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
     const float inverse = scale / sqrtf(sum + 1e-6f);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse;
+}
+
+/* Value columns a pass over the state keeps in registers: DELTA_VECTORS vectors of LANES. */
+#define DELTA_VECTORS 8
+
+/* The delta rule's first pass: S <- decay S, and predicted = S^T k, summed over the key
+ * dimension's lines in order. A stretch of DELTA_VECTORS vectors of value columns at a
+ * time keeps its sums in registers across all the lines (loaded and stored per line, they
+ * made the pass twice the memory operations); a narrower tail goes value by value, in the
+ * same order. */
+static inline void decay_and_predict(float *state, const float *k, float decay, int64_t dk,
+                                     int64_t dv, float *predicted) {
+    const int64_t span = DELTA_VECTORS * LANES;
+    int64_t j0 = 0;
+    for (; j0 + span <= dv; j0 += span) {
+        lane_vector sums[DELTA_VECTORS];
+        for (int c = 0; c < DELTA_VECTORS; c++) sums[c] = (lane_vector){0};
+        for (int64_t i = 0; i < dk; i++) {
+            float *line = state + i * dv + j0;
+            const float ki = k[i];
+            for (int c = 0; c < DELTA_VECTORS; c++) {
+                lane_vector x;
+                memcpy(&x, line + c * LANES, sizeof x);
+                x *= decay;
+                memcpy(line + c * LANES, &x, sizeof x);
+                sums[c] += ki * x;
+            }
+        }
+        memcpy(predicted + j0, sums, sizeof sums);
+    }
+    for (int64_t j = j0; j < dv; j++) predicted[j] = 0.0f;
+    for (int64_t i = 0; i < dk && j0 < dv; i++) {
+        float *line = state + i * dv;
+        const float ki = k[i];
+        for (int64_t j = j0; j < dv; j++) {
+            line[j] *= decay;
+            predicted[j] += ki * line[j];
+        }
+    }
+}
+
+/* The second pass: S <- S + k correction^T, and o = S^T q, stretch by stretch as
+ * decay_and_predict. */
+static inline void correct_and_read(float *state, const float *k, const float *q,
+                                    const float *correction, int64_t dk, int64_t dv,
+                                    float *o) {
+    const int64_t span = DELTA_VECTORS * LANES;
+    int64_t j0 = 0;
+    for (; j0 + span <= dv; j0 += span) {
+        lane_vector fix[DELTA_VECTORS], sums[DELTA_VECTORS];
+        memcpy(fix, correction + j0, sizeof fix);
+        for (int c = 0; c < DELTA_VECTORS; c++) sums[c] = (lane_vector){0};
+        for (int64_t i = 0; i < dk; i++) {
+            float *line = state + i * dv + j0;
+            const float ki = k[i], qi = q[i];
+            for (int c = 0; c < DELTA_VECTORS; c++) {
+                lane_vector x;
+                memcpy(&x, line + c * LANES, sizeof x);
+                x += ki * fix[c];
+                memcpy(line + c * LANES, &x, sizeof x);
+                sums[c] += qi * x;
+            }
+        }
+        memcpy(o + j0, sums, sizeof sums);
+    }
+    for (int64_t j = j0; j < dv; j++) o[j] = 0.0f;
+    for (int64_t i = 0; i < dk && j0 < dv; i++) {
+        float *line = state + i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t j = j0; j < dv; j++) {
+            line[j] += ki * correction[j];
+            o[j] += qi * line[j];
+        }
+    }
 }
 
 /* The gated delta rule, one task per (chain, value head), token by token:
@@ -136,13 +220,18 @@ static int delta_rule(const LinearLayer *layer, const LinearShape *s, const floa
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (chains * heads > 1)
     for (int64_t task = 0; task < chains * heads; task++) {
         const int64_t chain = task / heads, h = task % heads, key_head = h / group;
-        float *state = scratch + per_thread * omp_get_thread_num();
-        float *q = state + head_state, *k = q + dk, *predicted = k + dk, *correction = predicted + dv;
+        float *own = scratch + per_thread * omp_get_thread_num();
+        float *q = own + head_state, *k = q + dk, *predicted = k + dk, *correction = predicted + dv;
         const int64_t first = chain_first[chain];
         const float decay_rate = -expf(dtype_value(layer->a_log, h, is_bf16));
         const float dt_bias = dtype_value(layer->dt_bias, h, is_bf16);
-        memcpy(state, layer->recurrent_states + (reads[first] * heads + h) * head_state,
-               sizeof(float) * (size_t)head_state);
+        float *slot = layer->recurrent_states + (reads[first] * heads + h) * head_state;
+        /* A decode row that stores its state where it read it updates the slot in place:
+         * the same operations on the same values, without copying the state in and out
+         * (a third of the memory traffic of the state, which outgrows the caches). */
+        const int in_place = chain_length[chain] == 1 && writes[first] == reads[first];
+        float *state = in_place ? slot : own;
+        if (!in_place) memcpy(state, slot, sizeof(float) * (size_t)head_state);
         for (int64_t t = first; t < first + chain_length[chain]; t++) {
             const float *row = conv + t * channels;
             const float *v = row + 2 * key_size + h * dv;
@@ -151,27 +240,11 @@ static int delta_rule(const LinearLayer *layer, const LinearShape *s, const floa
             const float *p = projection + t * stride;
             const float beta = sigmoid1(p[beta_at + h]);
             const float decay = expf(decay_rate * softplus1(p[decay_at + h] + dt_bias));
-            for (int64_t j = 0; j < dv; j++) predicted[j] = 0.0f;
-            for (int64_t i = 0; i < dk; i++) {
-                float *line = state + i * dv;
-                const float ki = k[i];
-                for (int64_t j = 0; j < dv; j++) {
-                    line[j] *= decay;
-                    predicted[j] += ki * line[j];
-                }
-            }
+            decay_and_predict(state, k, decay, dk, dv, predicted);
             for (int64_t j = 0; j < dv; j++) correction[j] = (v[j] - predicted[j]) * beta;
-            float *o = out + t * heads * dv + h * dv;
-            for (int64_t j = 0; j < dv; j++) o[j] = 0.0f;
-            for (int64_t i = 0; i < dk; i++) {
-                float *line = state + i * dv;
-                const float ki = k[i], qi = q[i];
-                for (int64_t j = 0; j < dv; j++) {
-                    line[j] += ki * correction[j];
-                    o[j] += qi * line[j];
-                }
-            }
-            if (writes[t] >= 0)
+            correct_and_read(state, k, q, correction, dk, dv,
+                             out + t * heads * dv + h * dv);
+            if (writes[t] >= 0 && !in_place)
                 memcpy(layer->recurrent_states + (writes[t] * heads + h) * head_state, state,
                        sizeof(float) * (size_t)head_state);
         }
