@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -196,6 +200,7 @@ def main() -> None:
     parser.add_argument("--reply", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "sapphire-rapids")
+    parser.add_argument("--baseline", help="a git revision whose forklift serves a row too")
     args = parser.parse_args()
     context = args.system + args.turns * (args.user + args.reply)
     slot_tokens = 1024 * -(-context // 1024)
@@ -205,6 +210,10 @@ def main() -> None:
              "--num-threads", str(args.threads)]  # fmt: skip
     with forklift_server_process(serve) as (url, _):
         results["forklift"] = side("forklift", forklift_turn(url, _served(url), args.reply), args)
+    if args.baseline:
+        label = f"forklift at {args.baseline}"
+        with baseline_tree(args.baseline), forklift_server_process(serve) as (url, _):
+            results[label] = side(label, forklift_turn(url, _served(url), args.reply), args)
     binary = args.llama_cpp / "build" / "bin" / "llama-server"
     with llama_server_process(str(binary), args.model, args.threads, slots=args.conversations,
                               slot_tokens=slot_tokens) as (url, _):  # fmt: skip
@@ -222,9 +231,32 @@ def main() -> None:
         "cpu_flags": sorted(cpu_flags()),
         "host_cpu_flags": sorted(host_cpu_flags()),
     }  # fmt: skip
-    command = command_line(__file__, "--model", args.model.name, "--llama-cpp", "LLAMA_CPP_DIR")
+    baseline = ("--baseline", args.baseline) if args.baseline else ()
+    command = command_line(
+        __file__, "--model", args.model.name, "--llama-cpp", "LLAMA_CPP_DIR", *baseline
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_results(args.out_dir, "hybrid-multi-turn-serve", report, table(report), command)
+
+
+@contextmanager
+def baseline_tree(revision: str) -> Iterator[None]:
+    """A worktree of `revision` first on the servers' PYTHONPATH while the block runs."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=ROOT,
+                       check=True, capture_output=True)  # fmt: skip
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = str(tree)
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           check=False)  # fmt: skip
 
 
 def _served(url: str) -> str:
