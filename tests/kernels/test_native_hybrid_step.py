@@ -202,13 +202,22 @@ def test_mtp_drafts_read_the_native_steps_hidden_states(tmp_path):
     assert (ours - theirs).abs().mean() < 1e-3
 
 
-def _mixer_inputs(seed: int):
-    """A Gated DeltaNet layer (fp32, perturbed gates) and a step of three sequences: a prompt
-    chunk from position 0, a chunk carrying on a sequence's state, and a decode row with two
-    rows verifying drafts, each storing its state in a slot of its own."""
+# Mixer shapes: small heads (only the delta rule's value-by-value tail), and value heads
+# wider than a register stretch (8 vectors: 128 columns on AVX-512, 64 on AVX2) with a tail,
+# whose 624 convolution channels span three blocks, the last one partial.
+MIXER_SHAPES = {
+    "small": dict(num_key_heads=2, num_value_heads=4, key_head_dim=12, value_head_dim=20),
+    "wide": dict(num_key_heads=2, num_value_heads=4, key_head_dim=12, value_head_dim=144),
+}
+
+
+def _mixer_inputs(seed: int, shape_name: str = "small"):
+    """A Gated DeltaNet layer (fp32, perturbed gates) and a step of four sequences: a prompt
+    chunk from position 0, a chunk carrying on a sequence's state, a decode row with two
+    rows verifying drafts, each storing its state in a slot of its own, and a decode row
+    storing its state in the slot it read (updated in place)."""
     torch.manual_seed(seed)
-    shape = LinearAttentionConfig(num_key_heads=2, num_value_heads=4, key_head_dim=12,
-                                  value_head_dim=20, conv_kernel=4)  # fmt: skip
+    shape = LinearAttentionConfig(**MIXER_SHAPES[shape_name], conv_kernel=4)
     layer = GatedDeltaNet(48, shape, 1e-6).eval()
     with torch.no_grad():
         layer.in_proj.weight.normal_(0, 0.3)
@@ -217,36 +226,29 @@ def _mixer_inputs(seed: int):
         layer.dt_bias.normal_(0, 1.0)
         layer.A_log.normal_(0, 0.5)
         layer.norm.weight.normal_(1, 0.3)
-    slots = 8
+    slots = 9
     conv = torch.randn(slots, shape.conv_kernel - 1, shape.conv_channels)
     recurrent = 0.3 * torch.randn(
         slots, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
     )
     conv[0], recurrent[0] = 0, 0  # the zero slot
-    rows = dict(starts=np.array([0, 9, 30, 31, 32]), query_lens=np.array([37, 5, 1, 1, 1]),
-                slots=np.array([1, 2, 3, 5, 6]), reads=np.array([1, 2, 3, 3, 5]),
-                continues=np.array([False, False, False, True, True]))  # fmt: skip
+    rows = dict(starts=np.array([0, 9, 30, 31, 32, 12]), query_lens=np.array([37, 5, 1, 1, 1, 1]),
+                slots=np.array([1, 2, 3, 5, 6, 8]), reads=np.array([1, 2, 3, 3, 5, 8]),
+                continues=np.array([False, False, False, True, True, False]))  # fmt: skip
     x = torch.randn(int(rows["query_lens"].sum()), 48)
     return layer, shape, conv, recurrent, rows, x
 
 
-def test_the_native_mixer_equals_the_pytorch_layer_in_fp32():
-    """The C mixer (convolution, recurrent delta rule token by token, gated norm) against
-    the PyTorch layer (the chunked form for prompt chunks, the recurrent one for rows), on
-    the same projections: outputs and every slot's states within 1e-5."""
+def _native_mixer(layer, shape, conv, recurrent, rows, projection) -> torch.Tensor:
+    """The C mixer's output on the rows' projections (between in_proj and out_proj), the
+    slots updated in place."""
     step = NativeDecodeStep.load()
     assert step is not None
-    layer, shape, conv, recurrent, rows, x = _mixer_inputs(seed=3)
     args = (rows["starts"], rows["query_lens"], rows["slots"])
-    meta = build_linear_metadata(*args, shape.conv_kernel, torch.device("cpu"), rows["reads"],
-                                 rows["continues"])  # fmt: skip
     reads, writes = native_state_rows(*args, rows["reads"], rows["continues"], torch.device("cpu"))
+    rows_count = projection.shape[0]
     with torch.no_grad():
-        conv_ref, recurrent_ref = conv.clone(), recurrent.clone()
-        before = recurrent.clone()
-        expected = layer(x, conv_ref, recurrent_ref, meta)
-        projection = layer.in_proj(x).contiguous()
-        out = torch.empty(x.shape[0], shape.value_size)
+        out = torch.empty(rows_count, shape.value_size)
         pointers = StepLinearLayer(
             layer.conv1d_weight.data_ptr(), layer.dt_bias.data_ptr(), layer.A_log.data_ptr(),
             layer.norm.weight.data_ptr(), conv.data_ptr(), recurrent.data_ptr(),
@@ -258,16 +260,58 @@ def test_the_native_mixer_equals_the_pytorch_layer_in_fp32():
         function.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         failed = function(
             ctypes.byref(pointers), ctypes.byref(sizes), projection.data_ptr(),
-            projection.shape[1], x.shape[0], reads.data_ptr(), writes.data_ptr(), 1e-6, 0,
+            projection.shape[1], rows_count, reads.data_ptr(), writes.data_ptr(), 1e-6, 0,
             out.data_ptr(), 2,
         )  # fmt: skip
         assert failed == 0
-        got = layer.out_proj(out)
+        return out
+
+
+@pytest.mark.parametrize("shape_name", list(MIXER_SHAPES))
+def test_the_native_mixer_equals_the_pytorch_layer_in_fp32(shape_name):
+    """The C mixer (convolution, recurrent delta rule token by token, gated norm) against
+    the PyTorch layer (the chunked form for prompt chunks, the recurrent one for rows), on
+    the same projections: outputs and every slot's states within 1e-5."""
+    layer, shape, conv, recurrent, rows, x = _mixer_inputs(3, shape_name)
+    args = (rows["starts"], rows["query_lens"], rows["slots"])
+    meta = build_linear_metadata(*args, shape.conv_kernel, torch.device("cpu"), rows["reads"],
+                                 rows["continues"])  # fmt: skip
+    with torch.no_grad():
+        conv_ref, recurrent_ref = conv.clone(), recurrent.clone()
+        before = recurrent.clone()
+        expected = layer(x, conv_ref, recurrent_ref, meta)
+    with torch.no_grad():
+        projection = layer.in_proj(x).contiguous()
+        got = layer.out_proj(_native_mixer(layer, shape, conv, recurrent, rows, projection))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(recurrent, recurrent_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, conv_ref, atol=0, rtol=0)
     assert not torch.equal(recurrent[6], before[6])  # the last verifying row wrote its slot
+    assert not torch.equal(recurrent[8], before[8])  # the decode row, in place
     assert torch.equal(recurrent[4], before[4]) and torch.equal(recurrent[7], before[7])
+
+
+@pytest.mark.parametrize("shape_name", list(MIXER_SHAPES))
+def test_a_decode_row_in_place_equals_its_token_in_a_prompt_chunk(shape_name):
+    """A prompt's last token as a decode row updating its slot in place, after the rest as
+    one chunk, gives the bits of the whole prompt as one chunk: the mixer's output and its
+    states."""
+    layer, shape, conv, recurrent, _, _ = _mixer_inputs(5, shape_name)
+    with torch.no_grad():  # one projection for all 20 rows: torch's matmul is not batch-invariant
+        projection = layer.in_proj(torch.randn(20, 48)).contiguous()
+    whole = dict(starts=np.array([0]), query_lens=np.array([20]), slots=np.array([1]),
+                 reads=np.array([1]), continues=np.array([False]))  # fmt: skip
+    conv_whole, recurrent_whole = conv.clone(), recurrent.clone()
+    at_once = _native_mixer(layer, shape, conv_whole, recurrent_whole, whole, projection)
+    head = dict(starts=np.array([0]), query_lens=np.array([19]), slots=np.array([2]),
+                reads=np.array([1]), continues=np.array([False]))  # fmt: skip
+    tail = dict(starts=np.array([19]), query_lens=np.array([1]), slots=np.array([2]),
+                reads=np.array([2]), continues=np.array([False]))  # fmt: skip
+    _native_mixer(layer, shape, conv, recurrent, head, projection[:19].contiguous())
+    last = _native_mixer(layer, shape, conv, recurrent, tail, projection[19:].contiguous())
+    assert torch.equal(last, at_once[19:])
+    assert torch.equal(recurrent[2], recurrent_whole[1])
+    assert torch.equal(conv[2], conv_whole[1])
 
 
 def test_a_hybrid_step_without_its_rows_state_slots_is_refused(tmp_path):

@@ -229,7 +229,8 @@ static int delta_rule(const LinearLayer *layer, const LinearShape *s, const floa
         /* A decode row that stores its state where it read it updates the slot in place:
          * the same operations on the same values, without copying the state in and out
          * (a third of the memory traffic of the state, which outgrows the caches). */
-        const int in_place = chain_length[chain] == 1 && writes[first] == reads[first];
+        const int in_place =
+            chain_length[chain] == 1 && reads[first] >= 0 && writes[first] == reads[first];
         float *state = in_place ? slot : own;
         if (!in_place) memcpy(state, slot, sizeof(float) * (size_t)head_state);
         for (int64_t t = first; t < first + chain_length[chain]; t++) {
