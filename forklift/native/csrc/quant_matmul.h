@@ -60,12 +60,6 @@ static inline TileScales tile_scales_at(TileScales all, int64_t first, int64_t b
     return (TileScales){all.xd + at, all.xs + at, all.offset + at};
 }
 
-/* The distance between consecutive rows of a run of QuantizedRows, per field (see
- * even_row_strides); q == 0: the rows are not evenly spaced. */
-typedef struct {
-    int64_t q, xd, xs, offset;
-} RowStrides;
-
 /* Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23 leaves
  * the float unit's own rounding (lrintf is a library call per value; this vectorises).
  * Correct only without -ffast-math, which the build never passes. */
@@ -168,11 +162,12 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
 }
 
 /* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
- * with evenly spaced rows (`strides.q` > 0; 0: no tiles), sixteen rows at a time as
- * group_pair_tiles does, their scales from `tile_scales` (every full tile's, in order). */
+ * with evenly spaced rows' codes (`code_stride` bytes apart; 0: no tiles), sixteen rows at a
+ * time as group_pair_tiles does, their scales from `tile_scales` (every full tile's, in
+ * order). */
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, RowStrides strides, uint8_t *unpacked,
+                                        int64_t fold, int64_t code_stride, uint8_t *unpacked,
                                         TileScales tile_scales) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
@@ -186,7 +181,7 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
      * read codes written long before (a tile load right after the stores that fill it waits
      * for them). */
     const uint8_t *ready = NULL;
-    if (strides.q && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
+    if (code_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
         for (int64_t b = 0; b < blocks; b++)
             store_pair_block(codes, codes + group_bytes, b, is_q4, unpacked + b * 512);
         ready = unpacked;
@@ -199,15 +194,15 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
 #if defined(FORKLIFT_QUANT_TILES)
         /* A tile may span both halves of precise rows: rows are stored in order, each
          * second half adding onto its first, as the dot products' tiles leave them. */
-        if (strides.q && rows - r0 >= QUANT_TILE_ROWS) {
+        if (code_stride && rows - r0 >= QUANT_TILE_ROWS) {
             float sums[16 * QUANT_TILE_ROWS];
             const TileScales scales = tile_scales_at(tile_scales, r0, blocks);
             if (is_q4)
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                 m + blocks * 8, blocks, x + r0, strides.q, scales, sums, 1, ready);
+                                 m + blocks * 8, blocks, x + r0, code_stride, scales, sums, 1, ready);
             else
                 group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                 blocks, x + r0, strides.q, scales, sums, 0, ready);
+                                 blocks, x + r0, code_stride, scales, sums, 0, ready);
             for (int t = 0; t < QUANT_TILE_ROWS; t++)
                 store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
                                 second_width);
@@ -215,7 +210,7 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
             continue;
         }
 #else
-        (void)strides;
+        (void)code_stride;
 #endif
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
@@ -312,21 +307,19 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win. */
-    const RowStrides none = {0, 0, 0, 0};
-    RowStrides strides = active >= QUANT_TILE_ROWS && amx_tiles_usable()
-                             ? even_row_strides(views, active)
-                             : none;
+    int64_t code_stride =
+        active >= QUANT_TILE_ROWS && amx_tiles_usable() ? even_code_stride(views, active) : 0;
 #elif defined(FORKLIFT_PAIRED_GROUPS)
-    const RowStrides strides = {0, 0, 0, 0}; /* no tiles: pairs by dot products only */
+    const int64_t code_stride = 0; /* no tiles: pairs by dot products only */
 #endif
     TileScales tile_scales = {NULL, NULL, NULL};
 #if defined(FORKLIFT_QUANT_TILES)
-    const int64_t tiles = strides.q ? active / QUANT_TILE_ROWS : 0, blocks = k / QK;
+    const int64_t tiles = code_stride ? active / QUANT_TILE_ROWS : 0, blocks = k / QK;
     if (tiles > 0) {
         const int64_t count = tiles * blocks * QUANT_TILE_ROWS;
         tile_scales.xd = malloc(sizeof(float) * (size_t)(3 * count));
         if (tile_scales.xd == NULL) {
-            strides = none; /* no room: the dot products, which need none */
+            code_stride = 0; /* no room: the dot products, which need none */
         } else {
             tile_scales.xs = tile_scales.xd + count;
             tile_scales.offset = (int32_t *)(tile_scales.xs + count);
@@ -337,14 +330,14 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
     {
         uint8_t *unpacked = NULL;
 #if defined(FORKLIFT_QUANT_TILES)
-        if (strides.q) {
+        if (code_stride) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++)
                 transpose_tile_scales(views, t, blocks, tile_scales);
             quant_tiles_configure();
         }
         /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
-        if (strides.q && active >= 2 * QUANT_TILE_ROWS)
+        if (code_stride && active >= 2 * QUANT_TILE_ROWS)
             unpacked = aligned_alloc(64, (size_t)(k / QK) * 512);
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
@@ -363,7 +356,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
 #if defined(FORKLIFT_PAIRED_GROUPS)
                 if (g + 1 < end) {
                     quant_row_group_pair(w, g++, slab_views, count, slab_out, w->n, fold,
-                                         strides, unpacked,
+                                         code_stride, unpacked,
                                          tile_scales_at(tile_scales, first, k / QK));
                     continue;
                 }
@@ -372,7 +365,7 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
             }
         }
 #if defined(FORKLIFT_QUANT_TILES)
-        if (strides.q) amx_tiles_release();
+        if (code_stride) amx_tiles_release();
 #endif
         free(unpacked);
     }

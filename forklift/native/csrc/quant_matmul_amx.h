@@ -100,18 +100,14 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
 }
 #undef QUANT_TILE_PRODUCT
 
-/* How far apart consecutive rows of x[0..count - 1] (count >= 2) lie when every field's
- * rows are evenly spaced, the codes in ascending order (one tile load reads any sixteen of
- * them): bytes for the codes, elements for the scales; all 0 otherwise. */
-static inline RowStrides even_row_strides(const QuantizedRow *x, int64_t count) {
-    const RowStrides none = {0, 0, 0, 0};
-    const RowStrides stride = {x[1].q - x[0].q, x[1].xd - x[0].xd, x[1].xs - x[0].xs,
-                               x[1].offset - x[0].offset};
+/* How many bytes apart consecutive rows' codes of x[0..count - 1] (count >= 2) lie when
+ * they are evenly spaced in ascending order (one tile load reads any sixteen of them); 0
+ * otherwise. (Their scales are read from TileScales, laid out per call.) */
+static inline int64_t even_code_stride(const QuantizedRow *x, int64_t count) {
+    const int64_t stride = x[1].q - x[0].q;
     for (int64_t r = 2; r < count; r++)
-        if (x[r].q - x[r - 1].q != stride.q || x[r].xd - x[r - 1].xd != stride.xd ||
-            x[r].xs - x[r - 1].xs != stride.xs || x[r].offset - x[r - 1].offset != stride.offset)
-            return none;
-    return stride.q > 0 ? stride : none;
+        if (x[r].q - x[r - 1].q != stride) return 0;
+    return stride > 0 ? stride : 0;
 }
 
 #endif
