@@ -18,13 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from results import command_line, write_results
-from revision_build import ROOT
+from revision_build import ROOT, revision_worktree
 
 from forklift import LLM, SamplingParams
 from forklift.cpu import cpu_flags
@@ -58,19 +57,12 @@ def prefill_timers() -> dict[str, float]:
 
 def baseline_prefill_timers(revision: str) -> dict[str, float]:
     """prefill_timers on a worktree of `revision`, in a process of its own."""
-    with tempfile.TemporaryDirectory() as scratch:
-        tree = Path(scratch) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=ROOT,
-                       check=True, capture_output=True)  # fmt: skip
-        try:
-            done = subprocess.run(
-                [sys.executable, __file__, "--prefill-only"], cwd=tree,
-                env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
-                check=True,
-            )  # fmt: skip
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False)  # fmt: skip
+    with revision_worktree(revision) as tree:
+        done = subprocess.run(
+            [sys.executable, __file__, "--prefill-only"], cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+            check=True,
+        )  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 

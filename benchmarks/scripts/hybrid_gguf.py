@@ -16,11 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from results import command_line, write_results
-from revision_build import ROOT
+from revision_build import ROOT, revision_worktree
 
 from forklift.bench.report import cpu_flags
 from forklift.cpu import host_cpu_flags
@@ -89,18 +88,11 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="the revision before the native step")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "sapphire-rapids")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        before_tree = Path(scratch) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.baseline],
-                       cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-        try:
-            before = forklift_run(before_tree, args.model)
-            print("forklift before", before, flush=True)
-            ours = forklift_run(ROOT, args.model)
-            print("forklift", ours, flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT,
-                           check=True)  # fmt: skip
+    with revision_worktree(args.baseline) as before_tree:
+        before = forklift_run(before_tree, args.model)
+        print("forklift before", before, flush=True)
+        ours = forklift_run(ROOT, args.model)
+        print("forklift", ours, flush=True)
     peer = llama_bench(args.llama_cpp / "build" / "bin" / "llama-bench", args.model)
     print("llama-bench", peer, flush=True)
     size = args.model.stat().st_size / 2**30

@@ -23,8 +23,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +32,7 @@ from pathlib import Path
 
 import httpx
 from results import command_line, write_results
-from revision_build import ROOT
+from revision_build import ROOT, revision_worktree
 
 from forklift.bench.report import cpu_flags
 from forklift.bench.server_process import forklift_server_process, llama_server_process
@@ -242,10 +240,7 @@ def main() -> None:
 @contextmanager
 def baseline_tree(revision: str) -> Iterator[None]:
     """A worktree of `revision` first on the servers' PYTHONPATH while the block runs."""
-    with tempfile.TemporaryDirectory() as scratch:
-        tree = Path(scratch) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=ROOT,
-                       check=True, capture_output=True)  # fmt: skip
+    with revision_worktree(revision) as tree:
         before = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(tree)
         try:
@@ -255,8 +250,6 @@ def baseline_tree(revision: str) -> Iterator[None]:
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = before
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False)  # fmt: skip
 
 
 def _served(url: str) -> str:

@@ -18,11 +18,10 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from results import command_line, write_results
-from revision_build import ROOT
+from revision_build import ROOT, revision_worktree
 
 from forklift.bench.report import cpu_flags
 
@@ -131,24 +130,17 @@ def main() -> None:
     parser.add_argument("--label", default="one forward", help="this tree's column")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
-    with tempfile.TemporaryDirectory() as scratch:
-        baseline = Path(scratch) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline],
-                       cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-        try:
-            rounds = {kind: [] for kind in kinds}
-            for round_index in range(args.rounds):
-                for kind in kinds:
-                    if kind == "invariance" and round_index:
-                        continue  # a count, not a speed: once is enough
-                    pair = {"baseline": run_child(baseline, kind), "this": run_child(ROOT, kind)}
-                    if kind == "prefill" and args.llama_bench:
-                        pair["llama_bench"] = {"tok_s": llama_bench_pp512(args.llama_bench)}
-                    rounds[kind].append(pair)
-                    print(kind, json.dumps(pair), flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT,
-                           check=False)  # fmt: skip
+    with revision_worktree(args.baseline) as baseline:
+        rounds = {kind: [] for kind in kinds}
+        for round_index in range(args.rounds):
+            for kind in kinds:
+                if kind == "invariance" and round_index:
+                    continue  # a count, not a speed: once is enough
+                pair = {"baseline": run_child(baseline, kind), "this": run_child(ROOT, kind)}
+                if kind == "prefill" and args.llama_bench:
+                    pair["llama_bench"] = {"tok_s": llama_bench_pp512(args.llama_bench)}
+                rounds[kind].append(pair)
+                print(kind, json.dumps(pair), flush=True)
     lines = [
         f"# {args.title}",
         "",

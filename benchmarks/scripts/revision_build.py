@@ -1,16 +1,34 @@
-"""A native library built from a git revision's C sources, for scripts that compare a
-revision's kernels with this tree's side by side in one process."""
+"""A git revision beside this tree: its native library built from its C sources (to compare
+kernels side by side in one process), or a worktree of it (to run its forklift)."""
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from forklift.native.build import compile_flags, find_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = "forklift/native/csrc"
+
+
+@contextmanager
+def revision_worktree(revision: str) -> Iterator[Path]:
+    """A git worktree of `revision` in a scratch folder while the block runs (a whole tree,
+    for scripts that run a revision's forklift in processes of its own)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=ROOT,
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           check=False)  # fmt: skip
 
 
 def checkout_sources(revision: str, into: Path) -> Path:
