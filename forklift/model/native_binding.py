@@ -11,6 +11,7 @@ that the binding owns: binding again after a weight update packs the new weights
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -39,15 +40,15 @@ from forklift.native.decode_step import (
     StepModel,
     StepQuantWeight,
 )
-from forklift.native.dense_weights import pack_dense_all, packed_shape
+from forklift.native.dense_weights import DenseMatmulKernel, pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
-# Block weights run every step whole, at any number of rows, unless an engine keeps dense
-# copies for prefill (batch_invariant off): then decode steps of up to this many rows, twice
-# what the PyTorch layers' block kernels take (with no Python between layers the step still
-# pays at 17-32 rows). Most rows of a step on dense bf16 weights (AMX tiles), which run
-# decode steps only (prefill chunks take oneDNN's GEMM on the same weights): an RL rollout's
-# 8 prompts x 8 samples in one step.
+# The native step runs every step whole, at any number of rows, unless an engine opts out of
+# one forward (batch_invariant off): then block weights run decode steps of up to this many
+# rows beside dense copies for prefill, twice what the PyTorch layers' block kernels take
+# (with no Python between layers the step still pays at 17-32 rows), and dense bf16 weights
+# (AMX tiles) decode steps of up to DENSE_STEP_MAX_ROWS (an RL rollout's 8 prompts x 8
+# samples), prefill chunks then taking oneDNN's GEMM on the same weights.
 SPLIT_STEP_MAX_ROWS = 32
 DENSE_STEP_MAX_ROWS = 64
 
@@ -219,7 +220,7 @@ class StepBinding:
             packs, self.dense_buffer = pack_dense_all(list(dense.values()), dense_buffer)
             self._dense = {name: DenseTiles(p, *w.shape)
                            for (name, w), p in zip(dense.items(), packs, strict=True)}  # fmt: skip
-        self.max_rows: int | None = None if dense is None else DENSE_STEP_MAX_ROWS
+        self.max_rows: int | None = None  # any: the backend picks the steps it runs
 
         def weight(quantized: object, name: str) -> StepQuantWeight:
             return _quant_weight(quantized if dense is None else self._dense[name])
@@ -256,6 +257,17 @@ class StepBinding:
     def global_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full-attention layers' rotary tables (cos, sin), float32."""
         return self._ropes[0]
+
+    @functools.cached_property
+    def dense_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Logits of final normed hidden rows (the step's kept ones) on this binding's dense
+        head tiles: the step's own head, each row alone, so a prompt row's scores are the
+        sums its sampled logits would be. None on block weights (their head serves both)."""
+        tiles = self._dense.get("head")
+        kernel = DenseMatmulKernel.load() if tiles is not None else None
+        if tiles is None or kernel is None:
+            return None
+        return lambda hidden: kernel(hidden, tiles.packed, tiles.n)
 
     @staticmethod
     def _linear_layer(

@@ -69,8 +69,9 @@ class StepBackend:
 
     @property
     def one_forward(self) -> bool:
-        """The native step runs every step on the model's block weights."""
-        return self.native_step is not None and not self.dense_step and self.batch_invariant
+        """The native step runs every step, on the model's block weights or its dense bf16
+        tiles (one arithmetic whatever the step holds)."""
+        return self.native_step is not None and self.batch_invariant
 
     @property
     def native_step_max_rows(self) -> int | None:
@@ -104,8 +105,9 @@ class StepBackend:
         self, model: LlamaForCausalLM, report: QuantizationReport, embedding_updated: bool
     ) -> None:
         """Where the native step runs every step on the blocks, the dense copies of block
-        weights serve nothing: release them (the memory plan then counts the blocks)."""
-        if not self.one_forward:
+        weights serve nothing: release them (the memory plan then counts the blocks). A dense
+        model's weights are its own (the tiles are packed from them at every update)."""
+        if not self.one_forward or self.dense_step:
             return
         # The tied head's blocks hold the file's embedding exactly until an update changes
         # it (then the head is a rounding of the new embedding, which stays dense).
@@ -159,7 +161,7 @@ class StepBackend:
         if scoring:
             assert output.hidden is not None
             scores = score_prompt_rows(
-                model.compute_logits,
+                self.binding.dense_head or model.compute_logits,
                 output.hidden[inputs.prompt_rows],
                 inputs.prompt_targets,
                 inputs.prompt_top,
@@ -208,10 +210,13 @@ class StepBackend:
         if reason is not None:
             logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
             return None
-        logger.info(
-            "decode step: one native call on dense bf16 AMX tiles for up to %d rows",
-            DENSE_STEP_MAX_ROWS,
-        )
+        if self.batch_invariant:
+            logger.info("every step: one native call on dense bf16 AMX tiles (any rows)")
+        else:
+            logger.info(
+                "decode step: one native call on dense bf16 AMX tiles for up to %d rows; "
+                "prefill on the PyTorch layers (batch_invariant off)", DENSE_STEP_MAX_ROWS,
+            )  # fmt: skip
         return step
 
     def _load_quant_kernel(self) -> QuantMatmulKernel | None:

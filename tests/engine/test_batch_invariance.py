@@ -1,30 +1,54 @@
 """One forward for every step: a request's tokens and logprobs are bitwise the same whatever
 shares its steps, however its prompt was chunked, and whatever of it the prefix cache held.
 
-Every step of a model on native block weights runs the native step (prefill chunks, decode
-rows, mixed steps), and each of its operations computes a row alone or in one fixed order
-per row, so these comparisons are exact (==), not within a tolerance."""
+Every step of a model on native block weights, or on dense bf16 weights where the CPU has
+AMX tiles, runs the native step (prefill chunks, decode rows, mixed steps), and each of its
+operations computes a row alone or in one fixed order per row, so these comparisons are
+exact (==), not within a tolerance."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 from tiny_models import make_tiny_model
 
 from forklift import LLM, SamplingParams
 from forklift.native import build as native_build
+from forklift.native.dense_weights import DenseMatmulKernel
 
 pytestmark = pytest.mark.skipif(
     native_build.find_compiler() is None, reason="no C compiler on this machine"
 )
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+# Each architecture on int4 blocks; three also as dense bf16 weights on AMX tiles.
+FORMS = {
+    "int4": dict(dtype="float32", quantization="int4"),
+    "bf16": dict(dtype="bfloat16", quantization="none"),
+}
+DENSE_TILES = native_build.find_compiler() is not None and DenseMatmulKernel.load() is not None
+TINY = [(arch, "int4") for arch in ARCHS] + [
+    pytest.param(
+        (arch, "bf16"),
+        marks=pytest.mark.skipif(not DENSE_TILES, reason="no AMX tiles (or no C compiler)"),
+    )
+    for arch in ("llama", "qwen3", "gemma3")
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
 
 
-def _tiny_engine(path, **kwargs) -> LLM:
-    common = dict(model=str(path), dtype="float32", quantization="int4", max_model_len=512,
-                  block_size=4, kv_cache_memory_bytes=2**21, max_num_seqs=64)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    path: Path
+    form: str  # a key of FORMS
+
+
+def _tiny_engine(tiny: Tiny, **kwargs) -> LLM:
+    common = dict(model=str(tiny.path), max_model_len=512, block_size=4,
+                  kv_cache_memory_bytes=2**21, max_num_seqs=64, **FORMS[tiny.form])  # fmt: skip
     return LLM(**{**common, **kwargs})
 
 
@@ -39,11 +63,12 @@ def _prompt(length: int, salt: int = 0) -> list[int]:
     return [3 + (7 * i + 5 * salt) % 90 for i in range(length)]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    make_tiny_model(request.param, path)
-    return path
+@pytest.fixture(scope="module", params=TINY, ids=lambda p: "-".join(p))
+def tiny(request, tmp_path_factory) -> Tiny:
+    arch, form = request.param
+    path = tmp_path_factory.mktemp(arch)
+    make_tiny_model(arch, path)
+    return Tiny(path, form)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -126,6 +151,8 @@ def test_default_model_is_batch_invariant(default_source):
 def test_batch_invariant_off_keeps_dense_copies_for_prefill(tiny):
     """The opt-out: prefill chunks and large steps on the PyTorch layers' dense copies, the
     native step for small decode steps only."""
+    if tiny.form != "int4":
+        pytest.skip("dense weights keep no copies (see test_native_dense_step.py)")
     llm = _tiny_engine(tiny, batch_invariant=False)
     runner = llm.llm_engine.runner
     assert not runner.one_forward and runner.native_step_max_rows == 32

@@ -141,8 +141,16 @@ def test_the_log_says_the_dense_step_runs(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="forklift"):
         dense = _engine(tmp_path)
         fp32 = _engine(tmp_path, dtype="float32")
-    assert "one native call on dense bf16 AMX tiles" in caplog.text
-    assert dense.llm_engine.runner.native_step_max_rows == DENSE_STEP_MAX_ROWS
+        split = _engine(tmp_path, batch_invariant=False)
+    assert "every step: one native call on dense bf16 AMX tiles" in caplog.text
+    assert dense.llm_engine.runner.one_forward
+    assert dense.llm_engine.runner.native_step_max_rows is None  # prefill chunks too
+    # The opt-out: decode steps of up to 64 rows on the tiles, prefill on oneDNN's GEMM.
+    assert "prefill on the PyTorch layers (batch_invariant off)" in caplog.text
+    assert not split.llm_engine.runner.one_forward
+    assert split.llm_engine.runner.native_step_max_rows == DENSE_STEP_MAX_ROWS
+    _generate(split, [[5, 17, 3, 8, 1, 9]], tokens=4)
+    assert split.llm_engine.runner.native_steps == 3  # the decodes, not the prompt
     # fp32 weights stay on the PyTorch layers (exact HF parity)
     assert fp32.llm_engine.runner.native_step is None
 
