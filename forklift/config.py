@@ -86,9 +86,9 @@ class EngineConfig:
     # Most prompt tokens a step may prefill while running requests decode (all its prefill
     # chunks together): a new prompt then joins over several steps instead of stalling every
     # stream for one long step. None or 0 = no bound beyond max_num_batched_tokens, the
-    # default everywhere, `forklift serve` included: a step that prefills leaves the native
-    # decode step for the PyTorch layers, so fewer, larger prefill steps serve faster
-    # (docs/serving.md). Steps without decodes prefill at the full budget.
+    # default everywhere, `forklift serve` included: fewer, larger prefill steps served
+    # faster when measured (docs/serving.md). Steps without decodes prefill at the full
+    # budget.
     decode_step_prefill_tokens: int | None = None
     # Spread the pending prompt tokens over about this many decoding steps (each step
     # prefills pending / steps, at least 16 tokens, at most the bound above, or the token
