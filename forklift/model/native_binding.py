@@ -396,7 +396,7 @@ class MtpStepBinding:
         )  # fmt: skip
         self.vocab = target.vocab
         self.hidden = target.hidden
-        self.max_rows: int | None = DENSE_STEP_MAX_ROWS
+        self.max_rows: int | None = None  # any: a long prompt's catch-up too
         self.num_groups = 1
         outer = target.model
         self.model = StepModel(
@@ -439,9 +439,11 @@ def native_step_peak_bytes(
     max_context: int,
     block_size: int,
     num_groups: int,
+    dense: bool = False,
 ) -> int:
     """What a native step of `rows` tokens holds at its peak beyond weights and cache: a
-    chunk's activations and int8 rows (csrc/decode_step.c runs STEP_CHUNK_ROWS at a time),
+    chunk's activations and int8 rows (csrc/decode_step.c runs STEP_CHUNK_ROWS at a time;
+    `dense`: also its rows rounded to bf16 for the dense tiles),
     every thread's attention scores (over the whole context where the tiled kernel does not
     run), the per-token block tables and masks the runner builds and every row's final
     hidden state (prompt logprobs), and the logits of `sampled_rows` with the sampler's
@@ -465,6 +467,8 @@ def native_step_peak_bytes(
     activations = 4 * (chunk * (2 * hidden + projection + mixed + values + 3 * inter) + widest)
     activations += linear_scratch
     int8_rows = 2 * chunk * (widest + 12 * widest // 32 + 32)
+    if dense:  # csrc/dense_matmul.h's dense_scratch_elements, bf16
+        int8_rows += 2 * (-(-chunk // 16) * 16) * (-(-widest // 32) * 32)
     group = config.num_heads // config.num_kv_heads
     scores = 4 * _PIECE_MAX_ROWS * group * max_context * (os.cpu_count() or 1)
     chunks = -(-max_context // _ATTENTION_CHUNK)

@@ -22,6 +22,7 @@ from forklift.model.native_binding import (
 from forklift.model.quantize import QuantizationPlan, QuantizationReport, drop_dense_copies
 from forklift.native.build import DISABLE_ENV
 from forklift.native.decode_step import NativeDecodeStep
+from forklift.native.dense_weights import DenseMatmulKernel
 from forklift.native.quant_matmul import QuantMatmulKernel
 from forklift.runner.memory import trim_heap
 from forklift.runner.prompt_scores import PromptScores, score_prompt_rows
@@ -74,6 +75,12 @@ class StepBackend:
         return self.native_step is not None and self.batch_invariant
 
     @property
+    def layers_packed(self) -> bool:
+        """Whether the PyTorch layers keep oneDNN-packed copies of dense weights: not where
+        every step runs the dense tiles, which leave them nothing to serve."""
+        return not (self.one_forward and self.dense_step)
+
+    @property
     def native_step_max_rows(self) -> int | None:
         """Most rows a native step runs: 0 without one, None (any) with one forward, else
         the decode steps' limit (dense tiles', or block weights' beside dense copies)."""
@@ -106,8 +113,12 @@ class StepBackend:
     ) -> None:
         """Where the native step runs every step on the blocks, the dense copies of block
         weights serve nothing: release them (the memory plan then counts the blocks). A dense
-        model's weights are its own (the tiles are packed from them at every update)."""
-        if not self.one_forward or self.dense_step:
+        model's weights are its own (the tiles are packed from them at every update); on the
+        tiles only the PyTorch layers' oneDNN copies of them go."""
+        if not self.one_forward:
+            return
+        if self.dense_step:
+            model.unpack_weights()
             return
         # The tied head's blocks hold the file's embedding exactly until an update changes
         # it (then the head is a rounding of the new embedding, which stays dense).
@@ -207,6 +218,9 @@ class StepBackend:
             reason = "the step library did not build"
         elif step is not None and not step.dense_tiles:
             reason, step = "the kernel grants no AMX tile state", None
+        elif step is not None and DenseMatmulKernel.load() is None:
+            # Built now, not when a request first asks for prompt logprobs (its head tiles).
+            reason, step = "the dense matmul library did not build", None
         if reason is not None:
             logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
             return None

@@ -174,6 +174,7 @@ class ModelRunner:
                 peak = native_step_peak_bytes(
                     self.model.config, max_num_batched_tokens, max_num_seqs,
                     self.max_model_len, self.block_size, len(self.kv_layout.windows),
+                    dense=self.backend.dense_step,
                 )  # fmt: skip
             else:
                 peak = measure_peak_bytes(
@@ -367,7 +368,8 @@ class ModelRunner:
         # The packed and quantized copies derive from the weights.
         requantize(self.model, changed, self.quant_kernel)
         self._drop_dense_copies()
-        self.model.pack_weights()
+        if self.backend.layers_packed:
+            self.model.pack_weights()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
             self.backend.bind(self.model, self.layer_caches)

@@ -152,7 +152,7 @@ def test_batch_invariant_off_keeps_dense_copies_for_prefill(tiny):
     """The opt-out: prefill chunks and large steps on the PyTorch layers' dense copies, the
     native step for small decode steps only."""
     if tiny.form != "int4":
-        pytest.skip("dense weights keep no copies (see test_native_dense_step.py)")
+        pytest.skip("block weights' dense copies only (dense: test_native_dense_step.py)")
     llm = _tiny_engine(tiny, batch_invariant=False)
     runner = llm.llm_engine.runner
     assert not runner.one_forward and runner.native_step_max_rows == 32
