@@ -97,7 +97,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="one forward for every step: answers never depend on the batch or the cache, "
-        "no dense or oneDNN copies of the weights (default on; --no-batch-invariant "
+        "no dense copies of quantized weights (default on; --no-batch-invariant "
         "prefills on the PyTorch layers)",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=None)

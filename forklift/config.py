@@ -56,10 +56,10 @@ class EngineConfig:
     # One forward for every step where the native step runs a model's block weights (or
     # its dense bf16 weights on AMX tiles): a request's tokens and logprobs are bitwise the
     # same whatever shares its steps, however its prompt is chunked and whatever the prefix
-    # cache holds, and no dense copy of a quantized weight (nor a oneDNN copy of a dense
-    # one) is kept. False: prefill chunks and large steps run the PyTorch layers, on dense
-    # copies of block weights (faster prefill on CPUs with AMX, about twice the weights'
-    # memory) or oneDNN's GEMM, with answers that may change with the batch.
+    # cache holds, and no dense copy of a quantized weight is kept. False: prefill chunks
+    # and large steps run the PyTorch layers, on dense copies of block weights (faster
+    # prefill on CPUs with AMX, about twice the weights' memory) or oneDNN's GEMM, with
+    # answers that may change with the batch.
     batch_invariant: bool = True
     # "auto" = CUDA when available, else CPU.
     device: str = "auto"

@@ -75,12 +75,6 @@ class StepBackend:
         return self.native_step is not None and self.batch_invariant
 
     @property
-    def layers_packed(self) -> bool:
-        """Whether the PyTorch layers keep oneDNN-packed copies of dense weights: not where
-        every step runs the dense tiles, which leave them nothing to serve."""
-        return not (self.one_forward and self.dense_step)
-
-    @property
     def native_step_max_rows(self) -> int | None:
         """Most rows a native step runs: 0 without one, None (any) with one forward, else
         the decode steps' limit (dense tiles', or block weights' beside dense copies)."""
@@ -113,12 +107,8 @@ class StepBackend:
     ) -> None:
         """Where the native step runs every step on the blocks, the dense copies of block
         weights serve nothing: release them (the memory plan then counts the blocks). A dense
-        model's weights are its own (the tiles are packed from them at every update); on the
-        tiles only the PyTorch layers' oneDNN copies of them go."""
-        if not self.one_forward:
-            return
-        if self.dense_step:
-            model.unpack_weights()
+        model's weights are its own (the tiles are packed from them at every update)."""
+        if not self.one_forward or self.dense_step:
             return
         # The tied head's blocks hold the file's embedding exactly until an update changes
         # it (then the head is a rounding of the new embedding, which stays dense).

@@ -368,8 +368,7 @@ class ModelRunner:
         # The packed and quantized copies derive from the weights.
         requantize(self.model, changed, self.quant_kernel)
         self._drop_dense_copies()
-        if self.backend.layers_packed:
-            self.model.pack_weights()
+        self.model.pack_weights()
         self._reset_captures()  # requantized layers are new tensors
         if self.layer_caches:  # bind (and pack dense tiles) in the update, not the next step
             self.backend.bind(self.model, self.layer_caches)
