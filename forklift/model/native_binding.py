@@ -11,7 +11,6 @@ that the binding owns: binding again after a weight update packs the new weights
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from forklift.native.decode_step import (
     StepModel,
     StepQuantWeight,
 )
-from forklift.native.dense_weights import DenseMatmulKernel, pack_dense_all, packed_shape
+from forklift.native.dense_weights import pack_dense_all, packed_shape
 
 _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
 # The native step runs every step whole, at any number of rows, unless an engine opts out of
@@ -258,16 +257,11 @@ class StepBinding:
         """The full-attention layers' rotary tables (cos, sin), float32."""
         return self._ropes[0]
 
-    @functools.cached_property
-    def dense_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Logits of final normed hidden rows (the step's kept ones) on this binding's dense
-        head tiles: the step's own head, each row alone, so a prompt row's scores are the
-        sums its sampled logits would be. None on block weights (their head serves both)."""
-        tiles = self._dense.get("head")
-        kernel = DenseMatmulKernel.load() if tiles is not None else None
-        if tiles is None or kernel is None:
-            return None
-        return lambda hidden: kernel(hidden, tiles.packed, tiles.n)
+    @property
+    def head_tiles(self) -> DenseTiles | None:
+        """The LM head's packed dense tiles, which the step's sampled rows go through; None
+        on block weights."""
+        return self._dense.get("head")
 
     @staticmethod
     def _linear_layer(
@@ -467,8 +461,8 @@ def native_step_peak_bytes(
     activations = 4 * (chunk * (2 * hidden + projection + mixed + values + 3 * inter) + widest)
     activations += linear_scratch
     int8_rows = 2 * chunk * (widest + 12 * widest // 32 + 32)
-    if dense:  # csrc/dense_matmul.h's dense_scratch_elements, bf16
-        int8_rows += 2 * (-(-chunk // 16) * 16) * (-(-widest // 32) * 32)
+    # csrc/dense_matmul.h's dense_scratch_elements, bf16
+    bf16_rows = 2 * (-(-chunk // 16) * 16) * (-(-widest // 32) * 32) if dense else 0
     group = config.num_heads // config.num_kv_heads
     scores = 4 * _PIECE_MAX_ROWS * group * max_context * (os.cpu_count() or 1)
     chunks = -(-max_context // _ATTENTION_CHUNK)
@@ -476,4 +470,4 @@ def native_step_peak_bytes(
     width = -(-max_context // block_size)
     tables = num_groups * rows * width * (8 + 4 * block_size) + 4 * rows * hidden
     logits = 3 * 4 * min(sampled_rows, rows) * config.vocab_size
-    return activations + int8_rows + scores + parts + tables + logits
+    return activations + int8_rows + bf16_rows + scores + parts + tables + logits

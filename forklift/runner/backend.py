@@ -6,6 +6,7 @@ machine; the native step is bound to the weights and cache here and run on a ste
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +50,8 @@ class StepBackend:
         self.batch_invariant = batch_invariant
         self.quant_kernel = self._load_quant_kernel()
         self.native_step: NativeDecodeStep | None = None  # see load_native_step
+        # The dense matmul alone, for prompt rows on the dense head tiles (see forward).
+        self._dense_kernel: DenseMatmulKernel | None = None
         self.binding: StepBinding | None = None  # bound with the KV cache (see bind)
         # Dense tiles' buffer carried from a binding to the next across weight updates.
         self._dense_buffer: torch.Tensor | None = None
@@ -162,13 +165,23 @@ class StepBackend:
         if scoring:
             assert output.hidden is not None
             scores = score_prompt_rows(
-                self.binding.dense_head or model.compute_logits,
+                self._prompt_head(model),
                 output.hidden[inputs.prompt_rows],
                 inputs.prompt_targets,
                 inputs.prompt_top,
             )
         logits = output.logits if inputs.sample_index.numel() else None
         return logits, scores, (output.hidden if keep_hidden else None)
+
+    def _prompt_head(self, model: LlamaForCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What scores prompt rows: on dense tiles the step's own head tiles, each row alone,
+        so a prompt row's scores are the sums its sampled logits would be; on block weights
+        the model's head, whose blocks serve both."""
+        assert self.binding is not None
+        tiles, kernel = self.binding.head_tiles, self._dense_kernel
+        if tiles is None or kernel is None:
+            return model.compute_logits
+        return lambda hidden: kernel(hidden, tiles.packed, tiles.n)
 
     def load_native_step(self, model: LlamaForCausalLM) -> None:
         """One native call per decode step where the model and its weights allow it: block-
@@ -208,9 +221,11 @@ class StepBackend:
             reason = "the step library did not build"
         elif step is not None and not step.dense_tiles:
             reason, step = "the kernel grants no AMX tile state", None
-        elif step is not None and DenseMatmulKernel.load() is None:
+        elif step is not None:
             # Built now, not when a request first asks for prompt logprobs (its head tiles).
-            reason, step = "the dense matmul library did not build", None
+            self._dense_kernel = DenseMatmulKernel.load()
+            if self._dense_kernel is None:
+                reason, step = "the dense matmul library did not build", None
         if reason is not None:
             logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
             return None
