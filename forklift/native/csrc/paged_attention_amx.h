@@ -81,18 +81,18 @@ static inline void interleave_rows(const uint16_t *even, const uint16_t *odd, in
     }
 }
 
-/* exp(x) for x <= 0, 0 for -inf: 2^n p(r), x = n ln2 + r, |r| <= ln2 / 2, p the series to
- * r^5 (relative error about 3e-6, far inside the bf16 rounding the weights take next),
- * 2^n applied by vscalefps; below -87 as at -87. */
+/* exp(x) for x <= 0 as the bf16 weight takes it, 0 for -inf: 2^n p(r), x = n ln2 + r,
+ * |r| <= ln2 / 2, p the series to r^4 (relative error about 4e-5, against the 2^-9 of the
+ * bf16 rounding that follows: one fp32 ln2 reduces x closely enough), 2^n applied by
+ * vscalefps; below -87 as at -87 (lower would leave denormals, which cost the float unit
+ * an assist each). */
 static inline __m512 exp_weights(__m512 x) {
     const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 120), _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24), _mm512_set1_ps(1.0f / 6));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
@@ -105,19 +105,28 @@ static inline __m512 exp_weights(__m512 x) {
  * sum (lanes by position mod 16, tile by tile, then the lanes in order) is the total. */
 static inline __attribute__((always_inline)) void weigh_scores(
     float *scores, uint16_t *weights, const uint16_t *live, int64_t tiles,
-    const float *bias_row, int64_t base, int64_t to, float scale, float *largest,
-    float *total) {
+    const float *bias_row, const uint16_t *mask_row, int pure, int64_t base, int64_t to,
+    float scale, float *largest, float *total) {
     __m512 most = _mm512_set1_ps(-INFINITY);
     const __m512 scales = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < tiles; i++) {
         if (live[i] == 0) continue;
-        const __m512 bias = (__m512)tile_bias(bias_row, base + 16 * i, to);
-        const __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(scores + 16 * i), scales, bias);
+        const __m512 score = _mm512_loadu_ps(scores + 16 * i);
+        /* A pure bias adds 0 where the mask is set (the same sum) and -inf elsewhere. */
+        const __m512 s =
+            pure ? _mm512_mask_blend_ps(mask_row[i], _mm512_set1_ps(-INFINITY),
+                                        _mm512_fmadd_ps(score, scales, _mm512_setzero_ps()))
+                 : _mm512_fmadd_ps(score, scales,
+                                   (__m512)tile_bias(bias_row, base + 16 * i, to));
         _mm512_storeu_ps(scores + 16 * i, s);
         most = _mm512_max_ps(s, most); /* a NaN score never becomes the maximum */
     }
     const float m = _mm512_reduce_max_ps(most);
     __m512 lanes = _mm512_setzero_ps();
+    /* Word 2 k + 1 of a lane pair takes bf16 k (word 2 k is zeroed). */
+    const __m512i widen_order = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0,
+                                                 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0,
+                                                 0, 0);
     for (int64_t i = 0; i < tiles; i++) {
         if (live[i] == 0) continue;
         const __m512 e = m == -INFINITY
@@ -126,8 +135,9 @@ static inline __attribute__((always_inline)) void weigh_scores(
                                                          _mm512_set1_ps(m)));
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
         _mm256_storeu_si256((__m256i *)(weights + 16 * i), rounded);
-        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(
-                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        /* The rounded weights back as floats: each bf16 into its lane's upper half. */
+        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                                         0xaaaaaaaau, widen_order, _mm512_castsi256_si512(rounded))));
     }
     float sum = 0.0f;
     for (int p = 0; p < 16; p++) sum += lanes[p];
@@ -172,7 +182,8 @@ static inline __attribute__((always_inline)) void value_tiles(
  * weight. Returns 1 when scratch memory ran out. */
 static inline __attribute__((always_inline)) int attend_amx(
     const uint16_t *queries, int64_t count, const float *const *query_bias,
-    const char *k_head, const char *v_head, const int64_t *slots, const uint16_t *masks,
+    const uint16_t *const *query_masks, int pure, const char *k_head, const char *v_head,
+    const int64_t *slots, const uint16_t *masks,
     int64_t tiles, int64_t base, int64_t to, float scale, int64_t head_dim, float *acc,
     float *max_score, float *total) {
     const int64_t span = 16 * tiles, chunks = head_dim / 32;
@@ -243,9 +254,7 @@ static inline __attribute__((always_inline)) int attend_amx(
         for (int64_t i = 0; i < tiles; i++) {
             unsigned mask = 0;
             if (masks[i] != 0)
-                for (int64_t j = 0; j < n; j++)
-                    if (j == 0 || query_bias[first + j] != query_bias[first + j - 1])
-                        mask |= tile_mask(query_bias[first + j], base + 16 * i, to);
+                for (int64_t j = 0; j < n; j++) mask |= query_masks[first + j][i];
             live[i] = (uint16_t)mask;
         }
 
@@ -272,8 +281,8 @@ static inline __attribute__((always_inline)) int attend_amx(
 
         for (int64_t j = 0; j < n; j++)
             weigh_scores(scores + j * span, weights + j * span, live, tiles,
-                         query_bias[first + j], base, to, scale, &max_score[first + j],
-                         &total[first + j]);
+                         query_bias[first + j], query_masks[first + j], pure, base, to, scale,
+                         &max_score[first + j], &total[first + j]);
 
         for (int64_t d = 0; d < head_dim; d += 64)
             value_tiles(weights, span, pairs, live, tiles, head_dim, d, sums);

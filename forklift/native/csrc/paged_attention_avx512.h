@@ -76,6 +76,42 @@ static inline float16_vector tile_bias(const float *bias_row, int64_t t0, int64_
     return bias;
 }
 
+/* Every row's tile masks (tile_mask of each sixteen positions of its bias row, positions
+ * past the row's width masked), computed once per call: a prefill chunk's tasks and their
+ * blocks of query vectors each asked them of the bias rows again, a third of a 730-token
+ * prompt's attention spent loading them. `pure`: every bias is 0 or -inf, so a mask says
+ * all a bias would (the tile kernels then read no bias row). Row r's masks start at
+ * masks + r * stride. */
+typedef struct {
+    uint16_t *masks;
+    int64_t stride;
+    int pure;
+} RowMasks;
+
+/* The masks of `rows` bias rows of `width` positions; masks == NULL when out of memory. */
+static inline RowMasks row_masks_of(const float *bias, int64_t rows, int64_t width,
+                                    int num_threads) {
+    const int64_t stride = (width + 15) / 16;
+    RowMasks all = {malloc(sizeof(uint16_t) * (size_t)(rows * stride + 1)), stride, 1};
+    if (all.masks == NULL) return all;
+    int pure = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(& : pure)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = bias + r * width;
+        for (int64_t i = 0; i < stride; i++) {
+            const float16_vector b = tile_bias(row, 16 * i, width);
+            const __mmask16 attended = _mm512_cmp_ps_mask((__m512)b, _mm512_set1_ps(-INFINITY),
+                                                          _CMP_NEQ_UQ);
+            const __mmask16 zero = _mm512_cmp_ps_mask((__m512)b, _mm512_setzero_ps(),
+                                                      _CMP_EQ_OQ);
+            pure &= (attended & ~zero) == 0;
+            all.masks[r * stride + i] = (uint16_t)attended;
+        }
+    }
+    all.pure = pure;
+    return all;
+}
+
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
  * position t0 + p): each position's row scale (row_scales: a coded tile's; NULL: none),
  * scale and the vector's bias applied (positions at or past `end` get -inf), stored whole
@@ -312,7 +348,7 @@ static inline __attribute__((always_inline)) int attend_range(
     const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
     int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
     int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
-    int64_t chunk, int64_t num_chunks, int format) {
+    int64_t chunk, int64_t num_chunks, int format, RowMasks row_masks) {
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     if (to > width) to = width;
@@ -320,15 +356,23 @@ static inline __attribute__((always_inline)) int attend_range(
     const size_t io_elem = io_bf16 ? 2 : 4, row_bytes = cache_row_bytes(format, head_dim);
     const int64_t *table = blocks + first_row * table_width;
     const float *query_bias[count];
-    for (int64_t j = 0; j < count; j++) query_bias[j] = bias + (first_row + j / group) * width;
+    /* Each query vector's row and head, laid out once (a division per vector cost more than
+     * the vector's normalisation). */
+    int64_t vector_row[count], vector_head[count];
+    for (int64_t r = 0, j = 0; r < num_rows; r++)
+        for (int64_t h = 0; h < group; h++, j++) {
+            vector_row[j] = first_row + r;
+            vector_head[j] = kv_head * group + h;
+        }
+    for (int64_t j = 0; j < count; j++) query_bias[j] = bias + vector_row[j] * width;
 
     /* Which positions of each tile any row attends to; the live span of tiles. */
     uint16_t all_masks[tiles + 1];
     int64_t lo = -1, hi = -1;
+    const uint16_t *first_masks = row_masks.masks + first_row * row_masks.stride + from / 16;
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t t0 = from + 16 * i;
         unsigned mask = 0;
-        for (int64_t r = 0; r < num_rows; r++) mask |= tile_mask(query_bias[r * group], t0, to);
+        for (int64_t r = 0; r < num_rows; r++) mask |= first_masks[r * row_masks.stride + i];
         all_masks[i] = (uint16_t)mask;
         if (mask != 0) {
             if (lo < 0) lo = i;
@@ -379,7 +423,7 @@ static inline __attribute__((always_inline)) int attend_range(
     const char *k_head = (const char *)key_cache + (size_t)kv_head * head_bytes;
     const char *v_head = (const char *)value_cache + (size_t)kv_head * head_bytes;
     for (int64_t j = 0; j < count; j++) {
-        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        const int64_t row = vector_row[j], head = vector_head[j];
         LOAD_ROW(queries + j * head_dim, (const char *)q + (size_t)((row * heads + head) *
                  head_dim) * io_elem, head_dim, io_bf16);
     }
@@ -390,8 +434,13 @@ static inline __attribute__((always_inline)) int attend_range(
     float max_score[count], total[count];
 #if defined(ATTENTION_AMX)
     if (on_tiles) {
-        if (attend_amx(queries_bf16, count, query_bias, k_head, v_head, slots, masks, live_tiles,
-                       base, to, scale, head_dim, acc, max_score, total)) {
+        /* Each vector's masks from the first live tile on. */
+        const uint16_t *query_masks[count];
+        for (int64_t j = 0; j < count; j++)
+            query_masks[j] = row_masks.masks + vector_row[j] * row_masks.stride + base / 16;
+        if (attend_amx(queries_bf16, count, query_bias, query_masks, row_masks.pure, k_head,
+                       v_head, slots, masks, live_tiles, base, to, scale, head_dim, acc,
+                       max_score, total)) {
             free(buffer);
             return 1;
         }
@@ -403,7 +452,7 @@ static inline __attribute__((always_inline)) int attend_range(
 
     for (int64_t j = 0; j < count; j++) {
         const float *aj = acc + j * head_dim;
-        const int64_t row = first_row + j / group, head = kv_head * group + j % group;
+        const int64_t row = vector_row[j], head = vector_head[j];
         if (parts != NULL) {
             float *pj = parts + ((row * heads + head) * num_chunks + chunk) * PART_FLOATS(head_dim);
             pj[0] = max_score[j];
@@ -448,12 +497,12 @@ static inline int attend_chunk(const void *q, const void *key_cache, const void 
                                int64_t heads, int64_t kv_heads, int64_t num_blocks,
                                int64_t block_size, int64_t head_dim, int64_t table_width,
                                float scale, int io_bf16, int64_t chunk, int64_t num_chunks,
-                               float *parts, int format) {
+                               float *parts, int format, RowMasks row_masks) {
     const int64_t from = chunk * ATTENTION_CHUNK, to = from + ATTENTION_CHUNK;
 #define ATTEND_CHUNK(size, form)                                                              \
     attend_range(q, key_cache, value_cache, blocks, bias, out, first_row, num_rows, kv_head,  \
                  heads, kv_heads, num_blocks, block_size, size, table_width, scale, io_bf16,  \
-                 from, to, parts, chunk, num_chunks, form)
+                 from, to, parts, chunk, num_chunks, form, row_masks)
 #define ATTEND_SIZES(form)                                                                    \
     do {                                                                                      \
         if (head_dim == 64) return ATTEND_CHUNK(64, form);                                    \
@@ -496,6 +545,11 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
         parts = malloc(sizeof(float) * (size_t)(vectors * num_chunks * part_stride));
         if (parts == NULL) return 1;
     }
+    const RowMasks row_masks = row_masks_of(bias, rows, width, num_threads);
+    if (row_masks.masks == NULL) {
+        free(parts);
+        return 1;
+    }
     const int64_t tasks = pieces * kv_heads * num_chunks;
     const size_t io_elem = io_bf16 ? 2 : 4;
     int failed = 0;
@@ -508,7 +562,7 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
             failed |= attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
                                    length[piece], kv_head, heads, kv_heads, num_blocks,
                                    block_size, head_dim, table_width, scale, io_bf16, chunk,
-                                   num_chunks, parts, format);
+                                   num_chunks, parts, format, row_masks);
         }
         if (parts != NULL) {
 #pragma omp for schedule(static)
@@ -518,6 +572,7 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
         }
     }
     free(parts);
+    free(row_masks.masks);
     return failed;
 }
 
