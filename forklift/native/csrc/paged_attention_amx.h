@@ -4,10 +4,15 @@
  *
  * The task's query vectors go in blocks of sixteen. For each block and each tile of sixteen
  * positions any of its rows attends to:
- * - scores: the sixteen key rows (an A tile, straight from the cache where their slots are
- *   consecutive) against the block's queries as bf16 pairs (a B tile, the block transposed
- *   once), 32 dimensions a product; the 16 x 16 result transposed to a row per query (a
- *   block of up to four vectors gathers its columns: the same values);
+ * - scores, 32 dimensions a product: with three blocks or more (a prefill chunk's rows), the
+ *   block's queries (an A tile) against the tile's keys packed once per task as dimension
+ *   pairs (a B tile), each query's row of scores straight from the product; with one or two
+ *   (decode rows), the sixteen key rows (an A tile, straight from the cache where their
+ *   slots are consecutive) against the block's queries as bf16 pairs (a B tile, the block
+ *   transposed once), the 16 x 16 result transposed to a row per query (up to four vectors
+ *   gather their columns). Each score is the same products summed in the same order either
+ *   way;
+ * - the scale, and the bias through each row's tile masks where it is all 0 and -inf;
  * - each query's weights exp(s - max) rounded to bf16 (the weights the products multiply,
  *   and the ones the total sums), then the values: weights (an A tile of sixteen positions)
  *   against the tile's value rows interleaved in position pairs (B tiles, packed once per
@@ -24,9 +29,10 @@
 #define FORKLIFT_PAGED_ATTENTION_AMX_H
 
 /* Tiles 0-3: a block's value sums, sixteen output values each (tile 0 holds a tile's
- * scores before them); 4: sixteen key rows, 32 dimensions; 5: the block's queries at the
- * same dimensions as bf16 pairs; 6: the block's weights at sixteen positions; 7: those
- * positions' value rows as pairs, sixteen output values. */
+ * scores before them); 4 and 5, 32 dimensions: the block's queries and sixteen keys as
+ * dimension pairs, or sixteen key rows and the block's queries as pairs; 6: the block's
+ * weights at sixteen positions; 7: those positions' value rows as pairs, sixteen output
+ * values. */
 static inline void attention_tiles_configure(void) {
     AmxTileConfig config = {.palette = 1};
     for (int t = 0; t < 8; t++) {
@@ -196,20 +202,29 @@ static inline __attribute__((always_inline)) int attend_amx(
         memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
         return 0;
     }
-    /* keys: tiles whose slots are not consecutive, copied; pairs: value rows interleaved;
-     * block_queries: a last block padded with zeros; transposed: a block's queries as B
-     * tiles; scores: [16, span]; weights: [16, span] bf16; scores_t: one tile's product;
-     * sums: [16, head_dim]. */
-    const size_t elements = (size_t)(2 * span * head_dim + 2 * 16 * head_dim + 2 * 16 * span +
-                                     16 * span + 2 * 256 + 2 * 16 * head_dim);
+    /* keys: each live tile's key rows as B tiles (per 32 dimensions, row k holds dimension
+     * pair k of the sixteen keys), packed once for every block of queries; pairs: value rows
+     * interleaved; block_queries: a last block padded with zeros; scores: [16, span];
+     * weights: [16, span] bf16; sums: [16, head_dim]. */
+    const size_t elements = (size_t)(2 * span * head_dim + 16 * head_dim + 2 * 16 * span +
+                                     16 * span + 2 * 16 * head_dim + 16 * head_dim + 2 * 256);
     uint16_t *scratch = aligned_alloc(64, (elements * 2 + 63) / 64 * 64);
     if (scratch == NULL) return 1;
     uint16_t *keys = scratch, *pairs = keys + span * head_dim;
-    uint16_t *block_queries = pairs + span * head_dim, *transposed = block_queries + 16 * head_dim;
-    float *scores = (float *)(transposed + 16 * head_dim);
+    uint16_t *block_queries = pairs + span * head_dim;
+    float *scores = (float *)(block_queries + 16 * head_dim);
     uint16_t *weights = (uint16_t *)(scores + 16 * span);
-    float *scores_t = (float *)(weights + 16 * span), *sums = scores_t + 256;
-    const char *key_rows[tiles + 1];
+    float *sums = (float *)(weights + 16 * span);
+    uint16_t copy[16 * head_dim] __attribute__((aligned(64)));
+    /* Three blocks of queries or more: the keys packed as B tiles once, each block's scores then
+     * a row per query straight from the products. One block (a decode row's few vectors):
+     * the keys as A tiles where they lie, against the block's queries packed as B tiles,
+     * and each query's column gathered (packing every key tile would cost it more). The
+     * same products either way: a score's bits do not depend on which side its key is. */
+    const int pack_keys = count > 32;
+    const char *key_tiles[tiles + 1];
+    uint16_t *transposed = (uint16_t *)(sums + 16 * head_dim);
+    float *scores_t = (float *)(transposed + 16 * head_dim);
 
     for (int64_t i = 0; i < tiles; i++) {
         if (masks[i] == 0) continue;
@@ -222,14 +237,20 @@ static inline __attribute__((always_inline)) int attend_amx(
         for (int p = 0; p < 16; p++) prefetch_row_l2(k_head, tile_slots[p], row_bytes);
         int consecutive = 1;
         for (int p = 1; p < 16; p++) consecutive &= tile_slots[p] == tile_slots[0] + p;
-        if (consecutive) {
-            key_rows[i] = k_head + (size_t)tile_slots[0] * row_bytes;
-        } else {
-            uint16_t *copy = keys + i * 16 * head_dim;
+        const char *key_rows = k_head + (size_t)tile_slots[0] * row_bytes;
+        if (!consecutive) {
             for (int p = 0; p < 16; p++)
                 memcpy(copy + p * head_dim, k_head + (size_t)tile_slots[p] * row_bytes, row_bytes);
-            key_rows[i] = (const char *)copy;
+            key_rows = (const char *)copy;
         }
+        if (pack_keys)
+            for (int64_t c = 0; c < chunks; c++)
+                transpose16(key_rows + 64 * c, row_bytes,
+                            (char *)(keys + (i * chunks + c) * 512), 64);
+        else
+            key_tiles[i] = key_rows == (const char *)copy
+                               ? (const char *)memcpy(keys + i * 16 * head_dim, copy, 16 * row_bytes)
+                               : key_rows;
         for (int k = 0; k < 8; k++)
             interleave_rows((const uint16_t *)(v_head + (size_t)tile_slots[2 * k] * row_bytes),
                             (const uint16_t *)(v_head + (size_t)tile_slots[2 * k + 1] * row_bytes),
@@ -247,9 +268,6 @@ static inline __attribute__((always_inline)) int attend_amx(
             memset(weights + n * span, 0, (size_t)(16 - n) * span * 2);
             block = block_queries;
         }
-        for (int64_t c = 0; c < chunks; c++)
-            transpose16((const char *)(block + 32 * c), row_bytes,
-                        (char *)(transposed + 512 * c), 64);
         /* The tiles any of the block's vectors attends to. */
         for (int64_t i = 0; i < tiles; i++) {
             unsigned mask = 0;
@@ -258,24 +276,41 @@ static inline __attribute__((always_inline)) int attend_amx(
             live[i] = (uint16_t)mask;
         }
 
-        for (int64_t i = 0; i < tiles; i++) {
-            if (live[i] == 0) continue;
-            _tile_zero(0);
-            for (int64_t c = 0; c < chunks; c++) {
-                _tile_loadd(4, key_rows[i] + 64 * c, row_bytes);
-                _tile_loadd(5, transposed + 512 * c, 64);
-                _tile_dpbf16ps(0, 4, 5);
+        if (pack_keys) {
+            /* The block's queries (A) against each live tile's packed keys (B): a row of
+             * sixteen positions per query, stored in place. */
+            for (int64_t i = 0; i < tiles; i++) {
+                if (live[i] == 0) continue;
+                _tile_zero(0);
+                for (int64_t c = 0; c < chunks; c++) {
+                    _tile_loadd(4, block + 32 * c, row_bytes);
+                    _tile_loadd(5, keys + (i * chunks + c) * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                }
+                _tile_stored(0, scores + 16 * i, (size_t)span * 4);
             }
-            _tile_stored(0, scores_t, 64);
-            if (n > 4) {
-                transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i),
-                            (size_t)span * 4);
-            } else { /* a decode row's few vectors: their columns gathered, not all sixteen */
-                const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128,
-                                                        112, 96, 80, 64, 48, 32, 16, 0);
-                for (int64_t j = 0; j < n; j++)
-                    _mm512_storeu_ps(scores + j * span + 16 * i,
-                                     _mm512_i32gather_ps(column, scores_t + j, 4));
+        } else {
+            for (int64_t c = 0; c < chunks; c++)
+                transpose16((const char *)(block + 32 * c), row_bytes,
+                            (char *)(transposed + 512 * c), 64);
+            const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112,
+                                                    96, 80, 64, 48, 32, 16, 0);
+            for (int64_t i = 0; i < tiles; i++) {
+                if (live[i] == 0) continue;
+                _tile_zero(0);
+                for (int64_t c = 0; c < chunks; c++) {
+                    _tile_loadd(4, key_tiles[i] + 64 * c, row_bytes);
+                    _tile_loadd(5, transposed + 512 * c, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                }
+                _tile_stored(0, scores_t, 64);
+                if (n > 4) /* query j's scores: column j */
+                    transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i),
+                                (size_t)span * 4);
+                else
+                    for (int64_t j = 0; j < n; j++)
+                        _mm512_storeu_ps(scores + j * span + 16 * i,
+                                         _mm512_i32gather_ps(column, scores_t + j, 4));
             }
         }
 

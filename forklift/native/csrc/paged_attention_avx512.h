@@ -88,28 +88,20 @@ typedef struct {
     int pure;
 } RowMasks;
 
-/* The masks of `rows` bias rows of `width` positions; masks == NULL when out of memory. */
-static inline RowMasks row_masks_of(const float *bias, int64_t rows, int64_t width,
-                                    int num_threads) {
-    const int64_t stride = (width + 15) / 16;
-    RowMasks all = {malloc(sizeof(uint16_t) * (size_t)(rows * stride + 1)), stride, 1};
-    if (all.masks == NULL) return all;
+/* Row r's masks of a bias row of `width` positions into all.masks (see RowMasks); returns
+ * whether every bias of the row is 0 or -inf. */
+static inline int row_masks_fill(const float *bias, int64_t r, int64_t width, RowMasks all) {
+    const float *row = bias + r * width;
     int pure = 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(& : pure)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = bias + r * width;
-        for (int64_t i = 0; i < stride; i++) {
-            const float16_vector b = tile_bias(row, 16 * i, width);
-            const __mmask16 attended = _mm512_cmp_ps_mask((__m512)b, _mm512_set1_ps(-INFINITY),
-                                                          _CMP_NEQ_UQ);
-            const __mmask16 zero = _mm512_cmp_ps_mask((__m512)b, _mm512_setzero_ps(),
-                                                      _CMP_EQ_OQ);
-            pure &= (attended & ~zero) == 0;
-            all.masks[r * stride + i] = (uint16_t)attended;
-        }
+    for (int64_t i = 0; i < all.stride; i++) {
+        const float16_vector b = tile_bias(row, 16 * i, width);
+        const __mmask16 attended =
+            _mm512_cmp_ps_mask((__m512)b, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+        const __mmask16 zero = _mm512_cmp_ps_mask((__m512)b, _mm512_setzero_ps(), _CMP_EQ_OQ);
+        pure &= (attended & ~zero) == 0;
+        all.masks[r * all.stride + i] = (uint16_t)attended;
     }
-    all.pure = pure;
-    return all;
+    return pure;
 }
 
 /* One query vector's scores at a tile from its sixteen dot products' lanes (acc[p] for
@@ -545,16 +537,28 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
         parts = malloc(sizeof(float) * (size_t)(vectors * num_chunks * part_stride));
         if (parts == NULL) return 1;
     }
-    const RowMasks row_masks = row_masks_of(bias, rows, width, num_threads);
+    const int64_t mask_stride = (width + 15) / 16;
+    RowMasks row_masks = {malloc(sizeof(uint16_t) * (size_t)(rows * mask_stride + 1)),
+                          mask_stride, 1};
     if (row_masks.masks == NULL) {
         free(parts);
         return 1;
     }
+    int impure = 0;
     const int64_t tasks = pieces * kv_heads * num_chunks;
     const size_t io_elem = io_bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (!row_masks_fill(bias, r, width, row_masks)) {
+#pragma omp atomic write
+                impure = 1;
+            }
+        /* (the loop's barrier: every row's masks and `impure` are in) */
+        RowMasks masks = row_masks;
+        masks.pure = !impure;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t chunk = task % num_chunks, rest = task / num_chunks;
@@ -562,7 +566,7 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
             failed |= attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
                                    length[piece], kv_head, heads, kv_heads, num_blocks,
                                    block_size, head_dim, table_width, scale, io_bf16, chunk,
-                                   num_chunks, parts, format, row_masks);
+                                   num_chunks, parts, format, masks);
         }
         if (parts != NULL) {
 #pragma omp for schedule(static)
