@@ -151,27 +151,58 @@ static inline __attribute__((always_inline)) void weigh_scores(
     *total = sum;
 }
 
-/* Four tiles of value sums (outputs `first` .. first + 63) over the block's live tiles. */
+/* The tile that shares a product of values with tile i (see value_tiles): its neighbour
+ * in the pair of sixteen-position tiles that starts at an even multiple of 32 positions,
+ * -1 where that neighbour lies outside the task's `tiles` (from position `base`). */
+static inline int64_t value_partner(int64_t i, int64_t tiles, int64_t base) {
+    const int64_t partner = (base / 16 + i) % 2 == 0 ? i + 1 : i - 1;
+    return partner >= 0 && partner < tiles ? partner : -1;
+}
+
+/* Four tiles of value sums (outputs `first` .. first + 63) over the block's live tiles.
+ * Tiles go in pairs fixed by position (positions 32 m .. 32 m + 31, whatever the task
+ * spans): one product of 32 positions a pair (tiles 4 and 5), half the products of one a
+ * tile; a pair cut by the task's ends, one product of sixteen (tiles 6 and 7). A dead
+ * tile beside a live one weighs exact zeros against finite rows, so a row's sums are the
+ * same bits whether its last live tile is paired with a dead one or stands alone. */
 static inline __attribute__((always_inline)) void value_tiles(
     const uint16_t *weights, int64_t span, const uint16_t *pairs, const uint16_t *live,
-    int64_t tiles, int64_t head_dim, int64_t first, float *sums) {
+    int64_t tiles, int64_t base, int64_t head_dim, int64_t first, float *sums) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const size_t pair_bytes = (size_t)head_dim * 4;
-    for (int64_t i = 0; i < tiles; i++) {
-        if (live[i] == 0) continue;
+    for (int64_t i = 0; i < tiles;) {
+        const int64_t partner = value_partner(i, tiles, base);
         const uint16_t *tile_pairs = pairs + i * 16 * head_dim + 2 * first;
-        _tile_loadd(6, weights + 16 * i, (size_t)span * 2);
-        _tile_loadd(7, tile_pairs, pair_bytes);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(7, tile_pairs + 32, pair_bytes);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, tile_pairs + 64, pair_bytes);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, tile_pairs + 96, pair_bytes);
-        _tile_dpbf16ps(3, 6, 7);
+        if (partner == i + 1) {
+            if (live[i] != 0 || live[i + 1] != 0) {
+                _tile_loadd(4, weights + 16 * i, (size_t)span * 2);
+                _tile_loadd(5, tile_pairs, pair_bytes);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, tile_pairs + 32, pair_bytes);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, tile_pairs + 64, pair_bytes);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, tile_pairs + 96, pair_bytes);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            i += 2;
+            continue;
+        }
+        if (live[i] != 0) {
+            _tile_loadd(6, weights + 16 * i, (size_t)span * 2);
+            _tile_loadd(7, tile_pairs, pair_bytes);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, tile_pairs + 32, pair_bytes);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(7, tile_pairs + 64, pair_bytes);
+            _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(7, tile_pairs + 96, pair_bytes);
+            _tile_dpbf16ps(3, 6, 7);
+        }
+        i++;
     }
     const size_t row_bytes = (size_t)head_dim * 4;
     _tile_stored(0, sums + first, row_bytes);
@@ -227,7 +258,10 @@ static inline __attribute__((always_inline)) int attend_amx(
     float *scores_t = (float *)(transposed + 16 * head_dim);
 
     for (int64_t i = 0; i < tiles; i++) {
-        if (masks[i] == 0) continue;
+        if (masks[i] == 0) { /* finite rows for a live neighbour's product (value_tiles) */
+            memset(pairs + i * 16 * head_dim, 0, (size_t)(16 * row_bytes));
+            continue;
+        }
         const int64_t *tile_slots = slots + 16 * i;
         /* A decode row's cache rows come from memory: the value rows TILE_AHEAD tiles on
          * into L1 for this loop, the key rows into L2 for the score products after it. */
@@ -319,8 +353,15 @@ static inline __attribute__((always_inline)) int attend_amx(
                          query_bias[first + j], query_masks[first + j], pure, base, to, scale,
                          &max_score[first + j], &total[first + j]);
 
+        /* A dead tile paired with a live one weighs zeros (weigh_scores skips it). */
+        for (int64_t i = 0; i < tiles; i++) {
+            const int64_t partner = value_partner(i, tiles, base);
+            if (live[i] == 0 && partner >= 0 && live[partner] != 0)
+                for (int64_t j = 0; j < 16; j++)
+                    memset(weights + j * span + 16 * i, 0, 32);
+        }
         for (int64_t d = 0; d < head_dim; d += 64)
-            value_tiles(weights, span, pairs, live, tiles, head_dim, d, sums);
+            value_tiles(weights, span, pairs, live, tiles, base, head_dim, d, sums);
         for (int64_t e = 0; e < n * head_dim; e += 16) /* -0 as +0 (see the top) */
             _mm512_storeu_ps(acc + first * head_dim + e,
                              _mm512_add_ps(_mm512_loadu_ps(sums + e), _mm512_setzero_ps()));
