@@ -224,3 +224,25 @@ def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(target_kern
         bias[:1, : own_width * 16].contiguous(), 0.125,
     )[0]  # fmt: skip
     assert torch.equal(alone, beside)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_query_vectors_result_does_not_depend_on_the_vectors_beside_it(target_kernel, window):
+    """48 query heads on one KV head (three blocks of sixteen vectors: where tiles build,
+    the keys are packed once and multiplied by each block) against each head alone (the
+    keys as they lie), over contexts that start and end mid-tile, with and without a
+    sliding window: the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_blocks, head_dim, group = 16, 128, 64, 48
+    shape = (1, num_blocks, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=gen).bfloat16()
+    value_cache = torch.randn(shape, generator=gen).bfloat16()
+    lengths = torch.tensor([5, 40, 181, 300])
+    blocks, bias, _ = paged_tables(gen, lengths, block_size, num_blocks, window)
+    q = torch.randn(len(lengths), group, head_dim, generator=gen).bfloat16()
+    together = target_kernel(q, key_cache, value_cache, blocks, bias, 0.125)
+    for head in range(0, group, 7):
+        alone = target_kernel(
+            q[:, head : head + 1].contiguous(), key_cache, value_cache, blocks, bias, 0.125
+        )
+        assert torch.equal(alone, together[:, head * head_dim : (head + 1) * head_dim])
