@@ -102,9 +102,14 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in models}
     peer: list[float] = []
     with revision_worktree(args.baseline) as baseline:
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for name, model in models.items():
-                pair = {"baseline": run_child(baseline, model), "this": run_child(ROOT, model)}
+                # Which side runs first alternates: the second process of a pair measured
+                # up to a tenth slower, whichever tree it was.
+                sides = [("baseline", baseline), ("this", ROOT)]
+                if round_index % 2:
+                    sides.reverse()
+                pair = {side: run_child(tree, model) for side, tree in sides}
                 rounds[name].append(pair)
                 print(name, json.dumps(pair), flush=True)
             if args.llama_bench:
@@ -113,7 +118,8 @@ def main() -> None:
         "# Attention on tiles: this tree against the revision before it",
         "",
         f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} "
-        "rounds, each side a fresh process per model. First token: one prompt of 730 random "
+        "rounds, each side a fresh process per model, which side goes first alternating "
+        "round by round. First token: one prompt of 730 random "
         "tokens, one output token (median of 6 after a warm-up); prefill: 4 prompts of 512 "
         "(median of 3 after a warm-up); decode: 32 prompts of 96 tokens, the time with 129 "
         "output tokens less the time with one. Attention: the native step's own timer.",
