@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from one_forward_ab import llama_bench_pp512
 from results import command_line, write_results
-from revision_build import ROOT, revision_worktree
+from revision_build import ROOT, revision_worktree, run_in_tree
 
 from forklift.bench.report import cpu_flags
 
@@ -80,11 +77,7 @@ MEASURES = {
 
 
 def run_child(tree: Path, model: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", CHILD, model], cwd=tree, env=env,
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return run_in_tree(tree, CHILD, model)
 
 
 def main() -> None:

@@ -17,11 +17,10 @@ import os
 import shlex
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 from results import command_line, write_results
-from revision_build import ROOT, revision_worktree
+from revision_build import ROOT, revision_worktree, run_in_tree
 
 from forklift.bench.report import cpu_flags
 
@@ -107,11 +106,7 @@ def llama_bench_pp512(binary: str) -> float:
 
 
 def run_child(tree: Path, kind: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", CHILD, kind], cwd=tree, env=env,
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return run_in_tree(tree, CHILD, kind)
 
 
 def main() -> None:

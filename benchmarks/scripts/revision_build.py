@@ -4,7 +4,10 @@ kernels side by side in one process), or a worktree of it (to run its forklift).
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,3 +60,13 @@ def build_library(
                str(source_dir / f"{name}.c"), "-lm"]  # fmt: skip
     subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))
+
+
+def run_in_tree(tree: Path, code: str, *arguments: str) -> dict:
+    """`python -c code arguments` with `tree` first on PYTHONPATH (and as the working
+    folder): the JSON object the code prints on its line starting "RESULT "."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, "-c", code, *arguments], cwd=tree, env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))

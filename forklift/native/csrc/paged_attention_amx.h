@@ -173,37 +173,33 @@ static inline __attribute__((always_inline)) void value_tiles(
     _tile_zero(2);
     _tile_zero(3);
     const size_t pair_bytes = (size_t)head_dim * 4;
+/* One product per tile of sums: the weights (tile `w`) times 64 output values' pairs
+ * (tile `v`, reloaded per sixteen values); tile numbers are immediates: literals only. */
+#define VALUE_PRODUCTS(w, v, weight_rows, value_pairs)                                        \
+    do {                                                                                      \
+        _tile_loadd(w, weight_rows, (size_t)span * 2);                                        \
+        _tile_loadd(v, value_pairs, pair_bytes);                                              \
+        _tile_dpbf16ps(0, w, v);                                                              \
+        _tile_loadd(v, (value_pairs) + 32, pair_bytes);                                       \
+        _tile_dpbf16ps(1, w, v);                                                              \
+        _tile_loadd(v, (value_pairs) + 64, pair_bytes);                                       \
+        _tile_dpbf16ps(2, w, v);                                                              \
+        _tile_loadd(v, (value_pairs) + 96, pair_bytes);                                       \
+        _tile_dpbf16ps(3, w, v);                                                              \
+    } while (0)
     for (int64_t i = 0; i < tiles;) {
         const int64_t partner = value_partner(i, tiles, base);
         const uint16_t *tile_pairs = pairs + i * 16 * head_dim + 2 * first;
         if (partner == i + 1) {
-            if (live[i] != 0 || live[i + 1] != 0) {
-                _tile_loadd(4, weights + 16 * i, (size_t)span * 2);
-                _tile_loadd(5, tile_pairs, pair_bytes);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(5, tile_pairs + 32, pair_bytes);
-                _tile_dpbf16ps(1, 4, 5);
-                _tile_loadd(5, tile_pairs + 64, pair_bytes);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(5, tile_pairs + 96, pair_bytes);
-                _tile_dpbf16ps(3, 4, 5);
-            }
+            if (live[i] != 0 || live[i + 1] != 0)
+                VALUE_PRODUCTS(4, 5, weights + 16 * i, tile_pairs);
             i += 2;
             continue;
         }
-        if (live[i] != 0) {
-            _tile_loadd(6, weights + 16 * i, (size_t)span * 2);
-            _tile_loadd(7, tile_pairs, pair_bytes);
-            _tile_dpbf16ps(0, 6, 7);
-            _tile_loadd(7, tile_pairs + 32, pair_bytes);
-            _tile_dpbf16ps(1, 6, 7);
-            _tile_loadd(7, tile_pairs + 64, pair_bytes);
-            _tile_dpbf16ps(2, 6, 7);
-            _tile_loadd(7, tile_pairs + 96, pair_bytes);
-            _tile_dpbf16ps(3, 6, 7);
-        }
+        if (live[i] != 0) VALUE_PRODUCTS(6, 7, weights + 16 * i, tile_pairs);
         i++;
     }
+#undef VALUE_PRODUCTS
     const size_t row_bytes = (size_t)head_dim * 4;
     _tile_stored(0, sums + first, row_bytes);
     _tile_stored(1, sums + first + 16, row_bytes);
