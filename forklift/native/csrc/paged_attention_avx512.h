@@ -6,8 +6,9 @@
  * A task is one KV head of a run of rows reading the same blocks (a decode row, or the rows
  * verifying a sequence's drafts), over one range of positions. Tiles are aligned to sixteen
  * positions, so a position's lane never depends on which rows share the task:
- * - each tile's mask says which of its positions any row attends to (a vector compare of the
- *   bias rows); tiles outside the first and last live ones are never touched;
+ * - each tile's mask says which of its positions any row attends to (each row's masks a
+ *   vector compare of its bias row, once per call: RowMasks); tiles outside the first and
+ *   last live ones are never touched;
  * - the key rows of a tile serve every query vector (read as bf16 pairs by vdpbf16ps with
  *   AVX512_BF16, else widened to fp32 once), the sixteen dot products of a vector summed
  *   together (sum16) and stored whole; where AMX-BF16 tiles build and the kernel grants
