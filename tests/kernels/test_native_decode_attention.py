@@ -226,14 +226,18 @@ def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(target_kern
     assert torch.equal(alone, beside)
 
 
+@pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("window", [None, 37])
-def test_a_query_vectors_result_does_not_depend_on_the_vectors_beside_it(target_kernel, window):
+def test_a_query_vectors_result_does_not_depend_on_the_vectors_beside_it(
+    target_kernel, window, block_size
+):
     """48 query heads on one KV head (three blocks of sixteen vectors: where tiles build,
     the keys are packed once and multiplied by each block) against each head alone (the
     keys as they lie), over contexts that start and end mid-tile, with and without a
-    sliding window: the same bits."""
+    sliding window, in blocks of 16 (a tile's keys consecutive) and of 4 (gathered): the
+    same bits."""
     gen = torch.Generator().manual_seed(11)
-    block_size, num_blocks, head_dim, group = 16, 128, 64, 48
+    num_blocks, head_dim, group = 2048 // block_size, 64, 48
     shape = (1, num_blocks, block_size, head_dim)
     key_cache = torch.randn(shape, generator=gen).bfloat16()
     value_cache = torch.randn(shape, generator=gen).bfloat16()

@@ -268,19 +268,19 @@ static inline __attribute__((always_inline)) int attend_amx(
         int consecutive = 1;
         for (int p = 1; p < 16; p++) consecutive &= tile_slots[p] == tile_slots[0] + p;
         const char *key_rows = k_head + (size_t)tile_slots[0] * row_bytes;
-        if (!consecutive) {
+        if (!consecutive) { /* gathered where they are read: the packing's staging, or keys */
+            uint16_t *gathered = pack_keys ? copy : keys + i * 16 * head_dim;
             for (int p = 0; p < 16; p++)
-                memcpy(copy + p * head_dim, k_head + (size_t)tile_slots[p] * row_bytes, row_bytes);
-            key_rows = (const char *)copy;
+                memcpy(gathered + p * head_dim, k_head + (size_t)tile_slots[p] * row_bytes,
+                       row_bytes);
+            key_rows = (const char *)gathered;
         }
         if (pack_keys)
             for (int64_t c = 0; c < chunks; c++)
                 transpose16(key_rows + 64 * c, row_bytes,
                             (char *)(keys + (i * chunks + c) * 512), 64);
         else
-            key_tiles[i] = key_rows == (const char *)copy
-                               ? (const char *)memcpy(keys + i * 16 * head_dim, copy, 16 * row_bytes)
-                               : key_rows;
+            key_tiles[i] = key_rows;
         for (int k = 0; k < 8; k++)
             interleave_rows((const uint16_t *)(v_head + (size_t)tile_slots[2 * k] * row_bytes),
                             (const uint16_t *)(v_head + (size_t)tile_slots[2 * k + 1] * row_bytes),
