@@ -76,10 +76,6 @@ MEASURES = {
 }
 
 
-def run_child(tree: Path, model: str) -> dict:
-    return run_in_tree(tree, CHILD, model)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="the git revision to compare with")
@@ -102,7 +98,7 @@ def main() -> None:
                 sides = [("baseline", baseline), ("this", ROOT)]
                 if round_index % 2:
                     sides.reverse()
-                pair = {side: run_child(tree, model) for side, tree in sides}
+                pair = {side: run_in_tree(tree, CHILD, model) for side, tree in sides}
                 rounds[name].append(pair)
                 print(name, json.dumps(pair), flush=True)
             if args.llama_bench:
