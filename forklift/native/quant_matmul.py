@@ -37,6 +37,13 @@ class QuantMatmulKernel:
         """Whether matmuls of 16 rows or more run on AMX tiles (built for and granted)."""
         return bool(self._library.forklift_quant_tiles_available())
 
+    @property
+    def wide_precise(self) -> bool:
+        """Whether a precise q4 weight (the MLP's down projection) takes each activation row
+        as twelve-bit codes (csrc/quant_matmul_avx512.h, quantize_wide_row) rather than as
+        two int8 rows."""
+        return bool(self._library.forklift_quant_wide_precise())
+
     @classmethod
     def load(cls, arch: tuple[str, ...] | None = None) -> QuantMatmulKernel | None:
         library = load_native_library("quant_matmul", arch)

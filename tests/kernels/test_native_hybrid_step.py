@@ -192,14 +192,17 @@ def test_mtp_drafts_read_the_native_steps_hidden_states(tmp_path):
     assert llm.llm_engine.runner.native_steps > 0
     assert llm.llm_engine.spec_stats.num_draft_tokens > 0
     # The drafter reads the rows the PyTorch layers would hand it (same rows, same values
-    # but for rounding): unnormed or misaligned rows would not match.
+    # but for rounding): unnormed or misaligned rows (values of 1-5 here) would not match.
+    # The rounding: silu(gate) * up differs in its last bits between the two, and the down
+    # projection's twelve-bit codes (AVX-512 builds) turn such a difference into a code step
+    # now and then (0.04 at most, 0.002 on average; two int8 rows had taken 4e-5).
     reference = _engine(tmp_path, speculative_config=mtp)
     reference.llm_engine.runner.native_step = None
     prompt = _prompt(21, salt=7)
     ours, theirs = _first_mtp_inputs(llm, prompt), _first_mtp_inputs(reference, prompt)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
-    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)
-    assert (ours - theirs).abs().mean() < 1e-3
+    torch.testing.assert_close(ours, theirs, atol=0.1, rtol=0)
+    assert (ours - theirs).abs().mean() < 1e-2
 
 
 # Mixer shapes: small heads (only the delta rule's value-by-value tail), and value heads

@@ -33,20 +33,21 @@
 /* 1 where dense bf16 weights can run here (AMX compiled in and granted). */
 int forklift_decode_step_dense_tiles(void) { return dense_tiles_available(); }
 
-/* One projection: dense tiles or quantized blocks. dense_x: bf16 scratch for dense rows. */
-static void step_matmul(const QuantWeight *w, const float *x, int64_t rows,
-                        QuantizedRow *views, float *rest, uint16_t *dense_x, float *out,
-                        int num_threads) {
+/* One projection: dense tiles or quantized blocks. dense_x: bf16 scratch for dense rows.
+ * Returns 1 when its scratch could not be allocated. */
+static int step_matmul(const QuantWeight *w, const float *x, int64_t rows,
+                       QuantizedRow *views, float *rest, uint16_t *dense_x, float *out,
+                       int num_threads) {
 #if defined(FORKLIFT_DENSE_TILES)
     if (w->dense) {
         dense_matmul_rows((const uint16_t *)w->codes, w->n, w->k, x, rows, dense_x, out,
                           num_threads);
-        return;
+        return 0;
     }
 #else
     (void)dense_x;
 #endif
-    quant_matmul_rows(w, x, rows, views, rest, out, num_threads);
+    return quant_matmul_rows(w, x, rows, views, rest, out, num_threads);
 }
 
 /* One projection's LoRA slots (forklift/model/layers/lora_weights.py); a == NULL: none. */
@@ -468,7 +469,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(input_hidden + r * hidden, m->input_norm_hidden, hidden, m->eps, is_bf16,
                      offset, joined + r * joined_width + hidden);
         }
-        TIMED(0, step_matmul(&m->input_fc, joined, rows, views, rest, dense_x, residual,
+        TIMED(0, failed |= step_matmul(&m->input_fc, joined, rows, views, rest, dense_x, residual,
                              num_threads));
     }
 
@@ -482,7 +483,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(residual + r * hidden, layer->input_norm, hidden, m->eps, is_bf16, offset,
                      normed + r * hidden);
         const int64_t width = layer->qkv.n; /* this layer's first projection */
-        TIMED(0, step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
+        TIMED(0, failed |= step_matmul(&layer->qkv, normed, rows, views, rest, dense_x, qkv,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_qkv, normed, hidden, width, rows, row_lora,
                                     qkv, num_threads));
@@ -561,7 +562,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                         context[r * q_size + i] *= sigmoid1(gated[r * q_size + i]);
             }
         }
-        TIMED(0, step_matmul(&layer->o, mixer_out, rows, views, rest, dense_x, normed,
+        TIMED(0, failed |= step_matmul(&layer->o, mixer_out, rows, views, rest, dense_x, normed,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_o, mixer_out, mixer_size, hidden, rows,
                                     row_lora, normed, num_threads));
@@ -576,7 +577,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             rms_norm(residual + r * hidden, layer->post_norm, hidden, m->eps, is_bf16, offset,
                      out);
         }
-        TIMED(0, step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up,
+        TIMED(0, failed |= step_matmul(&layer->gate_up, normed, rows, views, rest, dense_x, gate_up,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_gate_up, normed, hidden, 2 * inter, rows,
                                     row_lora, gate_up, num_threads));
@@ -588,7 +589,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
             else
                 silu_mul(g, g + inter, inter, activated + r * inter);
         }
-        TIMED(0, step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed,
+        TIMED(0, failed |= step_matmul(&layer->down, activated, rows, views, rest, dense_x, normed,
                              num_threads));
         TIMED(0, failed |= lora_add(&layer->lora_down, activated, inter, hidden, rows,
                                     row_lora, normed, num_threads));
@@ -615,7 +616,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
                    sizeof(float) * (size_t)hidden);
     }
     if (num_logits > 0)
-        TIMED(0, step_matmul(&m->head, head_in, num_logits, views, rest, dense_x, logits,
+        TIMED(0, failed |= step_matmul(&m->head, head_in, num_logits, views, rest, dense_x, logits,
                              num_threads));
     if (timings != NULL) {
         const double timed = timings[0] + timings[1] - timed_before;

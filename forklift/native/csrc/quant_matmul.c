@@ -11,6 +11,16 @@ int forklift_quant_tiles_available(void) {
 #endif
 }
 
+/* 1 where a precise q4 weight takes each activation row as one row of twelve-bit codes
+ * (quantize_wide_row), 0 where as two int8 rows. */
+int forklift_quant_wide_precise(void) {
+#if defined(FORKLIFT_PAIRED_GROUPS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *codes,
                           const uint16_t *d, const uint16_t *m, int64_t n, int precise,
@@ -36,13 +46,13 @@ int forklift_quant_matmul(const void *x, int64_t rows, int64_t k, const void *co
     const QuantWeight weight = {codes, d, m, n, k, precise, 0};
     /* bf16: the float result reuses `wide` (the rows are quantized before any is written). */
     float *result = is_bf16 ? wide : (float *)out;
-    quant_matmul_rows(&weight, rows_in, rows, views, rest, result, num_threads);
-    if (is_bf16) {
+    const int failed = quant_matmul_rows(&weight, rows_in, rows, views, rest, result, num_threads);
+    if (is_bf16 && !failed) {
         uint16_t *dst = out;
         for (int64_t i = 0; i < rows * n; i++) dst[i] = float_to_bf16(wide[i]);
     }
     free(views);
     free(wide);
     free(scratch);
-    return 0;
+    return failed;
 }

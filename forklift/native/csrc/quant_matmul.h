@@ -91,10 +91,13 @@ static inline float block_inverse(float d) {
 #endif
 #include "quant_matmul_plain.h"
 
-/* Weights of one matmul: q4 when `m` is set, else q8. `precise`: activations go in as
- * two int8 rows each, the quantized row and what its rounding left (about 15 bits instead
- * of 8, for twice the integer work): for the LM head, whose logits sampling reads
- * directly. */
+/* Weights of one matmul: q4 when `m` is set, else q8. `precise`: finer activations than
+ * int8, for the LM head (sampling reads its logits directly) and the MLP's down projection
+ * (its input carries outliers). A q8 weight takes each row as two int8 rows, the quantized
+ * row and what its rounding left (about 15 bits, for twice the integer work); a q4 weight,
+ * where the paired kernels are built, as one wide row of twelve-bit codes
+ * (quantize_wide_row: one integer dot product of 64 bytes a block, one row's scaling),
+ * elsewhere as two int8 rows too. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *d;
@@ -153,11 +156,12 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
 }
 
 #if defined(FORKLIFT_PAIRED_GROUPS)
-/* Activation row `row`'s sixteen sums for groups g and g + 1 (`first` = 8 g, the second
- * group `second_width` outputs wide). */
+/* Activation row `row`'s sixteen sums for groups g and g + 1 (`first` = 8 g, the groups
+ * `first_width` and `second_width` outputs wide). */
 static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, int64_t fold,
-                                   int64_t first, const float *sums, int64_t second_width) {
-    store_sums(out, out_stride, row, fold, first, sums, 8);
+                                   int64_t first, const float *sums, int64_t first_width,
+                                   int64_t second_width) {
+    store_sums(out, out_stride, row, fold, first, sums, first_width);
     store_sums(out, out_stride, row, fold, first + 8, sums + 8, second_width);
 }
 
@@ -168,14 +172,18 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
                                         int64_t fold, int64_t code_stride, uint8_t *unpacked,
-                                        TileScales tile_scales) {
+                                        TileScales tile_scales, int wide, int lone) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
     const uint8_t *codes = w->codes + g * group_bytes;
     const uint16_t *d = w->d + g * blocks * 8;
     const uint16_t *m = is_q4 ? w->m + g * blocks * 8 : NULL;
-    const int64_t first = 8 * g, second_width = w->n - first - 8 < 8 ? w->n - first - 8 : 8;
+    /* `lone`: group g without a partner, paired with itself (wide rows have no kernel of
+     * eight outputs); only its own outputs are stored. */
+    const int64_t partner = lone ? 0 : group_bytes, partner_scales = lone ? 0 : blocks * 8;
+    const int64_t first = 8 * g, first_width = w->n - first < 8 ? w->n - first : 8;
+    const int64_t second_width = lone ? 0 : w->n - first - 8 < 8 ? w->n - first - 8 : 8;
 #if defined(FORKLIFT_QUANT_TILES)
     /* Several tiles of rows: the pair's blocks unpacked once for all of them, so the tiles
      * read codes written long before (a tile load right after the stores that fill it waits
@@ -183,7 +191,8 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
     const uint8_t *ready = NULL;
     if (code_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
         for (int64_t b = 0; b < blocks; b++)
-            store_pair_block(codes, codes + group_bytes, b, is_q4, unpacked + b * 512);
+            store_pair_block(codes, codes + partner, b, is_q4, wide,
+                             unpacked + b * (wide ? 1024 : 512));
         ready = unpacked;
     }
 #else
@@ -197,15 +206,20 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         if (code_stride && rows - r0 >= QUANT_TILE_ROWS) {
             float sums[16 * QUANT_TILE_ROWS];
             const TileScales scales = tile_scales_at(tile_scales, r0, blocks);
-            if (is_q4)
-                group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, m,
-                                 m + blocks * 8, blocks, x + r0, code_stride, scales, sums, 1, ready);
+            if (wide)
+                group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
+                                 m + partner_scales, blocks, x + r0, code_stride, scales, sums,
+                                 1, 1, ready);
+            else if (is_q4)
+                group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
+                                 m + partner_scales, blocks, x + r0, code_stride, scales, sums,
+                                 1, 0, ready);
             else
-                group_pair_tiles(codes, codes + group_bytes, d, d + blocks * 8, NULL, NULL,
-                                 blocks, x + r0, code_stride, scales, sums, 0, ready);
+                group_pair_tiles(codes, codes + partner, d, d + partner_scales, NULL, NULL,
+                                 blocks, x + r0, code_stride, scales, sums, 0, 0, ready);
             for (int t = 0; t < QUANT_TILE_ROWS; t++)
                 store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
-                                second_width);
+                                first_width, second_width);
             r0 += QUANT_TILE_ROWS;
             continue;
         }
@@ -215,29 +229,33 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
         float sums[16 * PAIR_TILE_ROWS];
-#define PAIR_TILE(is_q4, rows)                                                               \
-        group_pair_tile(codes, codes + group_bytes, d, d + blocks * 8, m,                    \
-                        is_q4 ? m + blocks * 8 : NULL, blocks, x + r0, rows, sums, is_q4)
-#define PAIR_TILES(is_q4)                                                                    \
+#define PAIR_TILE(is_q4, wide, rows)                                                         \
+        group_pair_tile(codes, codes + partner, d, d + partner_scales, m,                    \
+                        is_q4 ? m + partner_scales : NULL, blocks, x + r0, rows, sums, is_q4, \
+                        wide)
+#define PAIR_TILES(is_q4, wide)                                                              \
         switch (tile) {                                                                      \
-        case 1: PAIR_TILE(is_q4, 1); break;                                                  \
-        case 2: PAIR_TILE(is_q4, 2); break;                                                  \
-        case 3: PAIR_TILE(is_q4, 3); break;                                                  \
-        case 4: PAIR_TILE(is_q4, 4); break;                                                  \
-        case 5: PAIR_TILE(is_q4, 5); break;                                                  \
-        case 6: PAIR_TILE(is_q4, 6); break;                                                  \
-        case 7: PAIR_TILE(is_q4, 7); break;                                                  \
-        default: PAIR_TILE(is_q4, 8); break;                                                 \
+        case 1: PAIR_TILE(is_q4, wide, 1); break;                                            \
+        case 2: PAIR_TILE(is_q4, wide, 2); break;                                            \
+        case 3: PAIR_TILE(is_q4, wide, 3); break;                                            \
+        case 4: PAIR_TILE(is_q4, wide, 4); break;                                            \
+        case 5: PAIR_TILE(is_q4, wide, 5); break;                                            \
+        case 6: PAIR_TILE(is_q4, wide, 6); break;                                            \
+        case 7: PAIR_TILE(is_q4, wide, 7); break;                                            \
+        default: PAIR_TILE(is_q4, wide, 8); break;                                           \
         }
-        if (is_q4) {
-            PAIR_TILES(1)
+        if (wide) {
+            PAIR_TILES(1, 1)
+        } else if (is_q4) {
+            PAIR_TILES(1, 0)
         } else {
-            PAIR_TILES(0)
+            PAIR_TILES(0, 0)
         }
 #undef PAIR_TILES
 #undef PAIR_TILE
         for (int t = 0; t < tile; t++)
-            store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, second_width);
+            store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t, first_width,
+                            second_width);
         r0 += tile;
     }
 }
@@ -281,34 +299,76 @@ static inline void quantize_precise_row(const float *x, int64_t k, QuantizedRow 
     quantize_row(rest, k, views[rows + r]);
 }
 
-/* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
- * values and `rest` k floats (a precise weight's second rows); the weight's row groups are
- * split among the threads, each block read once for every row. */
-static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64_t rows,
-                                     QuantizedRow *views, float *rest, float *out,
-                                     int num_threads) {
+/* Rows x[0..rows - 1] quantized into views: wide rows (quantize_wide_row), or int8 rows and
+ * for a precise weight what their rounding left (quantize_precise_row). Each row is
+ * quantized on its own, so how the rows are shared among the threads never changes a row's
+ * codes; a prefill chunk's hundreds of rows spent a third of a step here on one thread.
+ * `rest` serves one row at a time below QUANTIZE_PARALLEL_ROWS, else each precise row's
+ * residual is quantized through its own second row's floats. */
+static inline void quantize_rows(const QuantWeight *w, const float *x, int64_t rows,
+                                 QuantizedRow *views, int wide, float *rest,
+                                 int num_threads) {
     const int64_t k = w->k;
-    /* Each row is quantized on its own, so how the rows are shared among the threads never
-     * changes a row's codes; a prefill chunk's hundreds of rows spent a third of a step
-     * here on one thread. `rest` serves one row at a time below QUANTIZE_PARALLEL_ROWS,
-     * else each precise row's residual is quantized through its own second row's floats. */
+#if defined(FORKLIFT_PAIRED_GROUPS)
+#define QUANTIZE_ROW(r, residual)                                                          \
+    do {                                                                                   \
+        if (wide)                                                                          \
+            quantize_wide_row(x + (r) * k, k, views[r]);                                   \
+        else                                                                               \
+            quantize_precise_row(x + (r) * k, k, views, rows, r, w->precise, residual);   \
+    } while (0)
+#else
+    (void)wide;
+#define QUANTIZE_ROW(r, residual)                                                          \
+    quantize_precise_row(x + (r) * k, k, views, rows, r, w->precise, residual)
+#endif
     if (rows < QUANTIZE_PARALLEL_ROWS) {
-        for (int64_t r = 0; r < rows; r++) quantize_precise_row(x + r * k, k, views, rows, r,
-                                                                w->precise, rest);
+        for (int64_t r = 0; r < rows; r++) QUANTIZE_ROW(r, rest);
     } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t r = 0; r < rows; r++) {
-            float residual[w->precise ? k : 1];
-            quantize_precise_row(x + r * k, k, views, rows, r, w->precise, residual);
+            float residual[w->precise && !wide ? k : 1];
+            QUANTIZE_ROW(r, residual);
         }
     }
-    const int64_t active = w->precise ? 2 * rows : rows, fold = w->precise ? rows : 0;
+#undef QUANTIZE_ROW
+}
+
+/* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
+ * values, their codes evenly spaced (quantized_rows_alloc's), and `rest` k floats; a
+ * precise weight's rows take two of them (q8: a second row of what the first's rounding
+ * left; q4 with the paired kernels: one wide row over both rows' codes). The weight's row
+ * groups are split among the threads, each block read once for every row. Returns 1 when
+ * scratch could not be allocated (nothing is written). */
+static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_t rows,
+                                    QuantizedRow *views, float *rest, float *out,
+                                    int num_threads) {
+    const int64_t k = w->k;
+#if defined(FORKLIFT_PAIRED_GROUPS)
+    const int wide = w->precise && w->m != NULL;
+#else
+    const int wide = 0;
+#endif
+    QuantizedRow *rows_views = views;
+    if (wide) {
+        /* Row r's 2 k codes where rows 2 r and 2 r + 1 would be; its scales as row r's. */
+        rows_views = malloc(sizeof(QuantizedRow) * (size_t)rows);
+        if (rows_views == NULL) return 1;
+        const int64_t code_step = rows > 1 ? views[1].q - views[0].q : 0;
+        for (int64_t r = 0; r < rows; r++)
+            rows_views[r] = (QuantizedRow){views[0].q + 2 * r * code_step, views[r].xd,
+                                           views[r].xs, views[r].offset};
+    }
+    quantize_rows(w, x, rows, rows_views, wide, rest, num_threads);
+    const int64_t active = w->precise && !wide ? 2 * rows : rows;
+    const int64_t fold = w->precise && !wide ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win. */
-    int64_t code_stride =
-        active >= QUANT_TILE_ROWS && amx_tiles_usable() ? even_code_stride(views, active) : 0;
+    int64_t code_stride = active >= QUANT_TILE_ROWS && amx_tiles_usable()
+                              ? even_code_stride(rows_views, active)
+                              : 0;
 #elif defined(FORKLIFT_PAIRED_GROUPS)
     const int64_t code_stride = 0; /* no tiles: pairs by dot products only */
 #endif
@@ -333,12 +393,12 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         if (code_stride) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++)
-                transpose_tile_scales(views, t, blocks, tile_scales);
-            quant_tiles_configure();
+                transpose_tile_scales(rows_views, t, blocks, tile_scales);
+            quant_tiles_configure(wide);
         }
         /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
         if (code_stride && active >= 2 * QUANT_TILE_ROWS)
-            unpacked = aligned_alloc(64, (size_t)(k / QK) * 512);
+            unpacked = aligned_alloc(64, (size_t)(k / QK) * (wide ? 1024 : 512));
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
@@ -350,14 +410,16 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         const int64_t slab = fold > 0 ? active : QUANT_SLAB_ROWS;
         for (int64_t first = 0; first < active; first += slab) {
             const int64_t count = active - first < slab ? active - first : slab;
-            const QuantizedRow *slab_views = views + first;
+            const QuantizedRow *slab_views = rows_views + first;
             float *slab_out = out + first * w->n;
             for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
-                if (g + 1 < end) {
-                    quant_row_group_pair(w, g++, slab_views, count, slab_out, w->n, fold,
+                if (g + 1 < end || wide) {
+                    quant_row_group_pair(w, g, slab_views, count, slab_out, w->n, fold,
                                          code_stride, unpacked,
-                                         tile_scales_at(tile_scales, first, k / QK));
+                                         tile_scales_at(tile_scales, first, k / QK), wide,
+                                         g + 1 >= end);
+                    g++;
                     continue;
                 }
 #endif
@@ -370,6 +432,8 @@ static inline void quant_matmul_rows(const QuantWeight *w, const float *x, int64
         free(unpacked);
     }
     free(tile_scales.xd);
+    if (rows_views != views) free(rows_views);
+    return 0;
 }
 
 #endif

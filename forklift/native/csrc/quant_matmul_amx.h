@@ -23,18 +23,18 @@ static inline void transpose_tile_scales(const QuantizedRow *x, int64_t t, int64
 }
 
 /* Tiles 0, 1: a block's int32 sums (16 rows x 16 outputs), even and odd blocks; 2, 3: the
- * rows' codes of the block (16 x 32 bytes); 4, 5: the pair's unpacked codes (8 x 64 bytes,
- * vector c of unpack_pair_block as row c: the B operand's layout of four inputs per
- * output). */
-static inline void quant_tiles_configure(void) {
+ * rows' codes of the block (16 x 32 bytes; wide rows, 16 x 64); 4, 5: the pair's unpacked
+ * codes (8 x 64 bytes, vector c of unpack_pair_block as row c: the B operand's layout of
+ * four inputs per output; against wide rows 16 x 64, store_pair_block's). */
+static inline void quant_tiles_configure(int wide) {
     AmxTileConfig config = {.palette = 1};
     for (int t = 0; t < 2; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
-        config.colsb[2 + t] = 32;
+        config.colsb[2 + t] = wide ? 64 : 32;
         config.rows[2 + t] = 16;
         config.colsb[4 + t] = 64;
-        config.rows[4 + t] = 8;
+        config.rows[4 + t] = wide ? 16 : 8;
     }
     _tile_loadconfig(&config);
 }
@@ -62,8 +62,12 @@ static inline void quant_tiles_configure(void) {
 static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
-    int64_t stride, TileScales scales, float *sums, int is_q4, const uint8_t *unpacked) {
-    uint8_t codes_tile[2][512] __attribute__((aligned(64)));
+    int64_t stride, TileScales scales, float *sums, int is_q4, int wide,
+    const uint8_t *unpacked) {
+    /* Wide rows (quantize_wide_row): one product of 64 bytes a block, the same sums as the
+     * dot products' (group_pair_tile). */
+    const int64_t tile_bytes = wide ? 1024 : 512, row_bytes = wide ? 2 * QK : QK;
+    uint8_t codes_tile[2][1024] __attribute__((aligned(64)));
     /* Slot b % 2 takes block b's sums one iteration after its product and is read the next:
      * by then the slot's previous block has been scaled. */
     int32_t block_sums[2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
@@ -71,12 +75,13 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
         if (b < blocks) {
-            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
-            if (unpacked == NULL) store_pair_block(codes0, codes1, b, is_q4, codes_tile[b & 1]);
+            const uint8_t *tile = unpacked != NULL ? unpacked + b * tile_bytes : codes_tile[b & 1];
+            if (unpacked == NULL)
+                store_pair_block(codes0, codes1, b, is_q4, wide, codes_tile[b & 1]);
             if (b & 1)
-                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * QK, stride, tile);
+                QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * row_bytes, stride, tile);
             else
-                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * QK, stride, tile);
+                QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * row_bytes, stride, tile);
         }
         if (b >= 1 && b - 1 < blocks) {
             if ((b - 1) & 1)

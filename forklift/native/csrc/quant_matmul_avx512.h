@@ -82,6 +82,46 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
     quantize_row_vectors(x, k, row);
 }
 
+/* The largest code of a wide row: twelve bits, 16 h + l with h a signed byte and l in 0..15. */
+#define WIDE_CODE_MAX 2047.0f
+
+/* A precise q4 weight's activation row (the MLP's down projection, whose input carries the
+ * outliers that int8 rounds to nothing): each block of 32 quantized to twelve bits, q =
+ * round(x / d) with d = max |x| / 2047, and stored as two bytes a value, block b's 64 codes
+ * at row.q + 64 b: the high parts h = q >> 4 (signed), then the low ones l = q & 15. With
+ * the weights' codes c taken as 16 c against h and c against l, one integer dot product of
+ * 64 bytes is sum c q exactly, whatever multiplies it (group_pair_tile, group_pair_tiles).
+ * xs[b] = d * sum(q) (the mins' term); offset is not used (q4 weights only). Not
+ * contracted, as quantize_row. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512i low_bits = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
+        const float d = amax / WIDE_CODE_MAX;
+        const __m512 inverse = _mm512_set1_ps(block_inverse(d));
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const __m512i q_lo = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic));
+        const __m512i q_hi = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic));
+        int8_t *codes = row.q + 2 * b * QK;
+        _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_lo, 4)));
+        _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_hi, 4)));
+        _mm_storeu_si128((__m128i *)(codes + 32),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(q_lo, low_bits)));
+        _mm_storeu_si128((__m128i *)(codes + 48),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(q_hi, low_bits)));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+        row.xd[b] = d;
+        row.xs[b] = d * (float)sum;
+        row.offset[b] = 0;
+    }
+}
+
 #if defined(FORKLIFT_PAIRED_GROUPS)
 #define PAIR_TILE_ROWS 8
 /* Block b of groups g and g + 1 (`first`, `second`) as eight vectors: vector c, lane i holds
@@ -121,12 +161,17 @@ static inline __attribute__((always_inline)) void fetch_pair_block(
 }
 
 /* Block b of groups g and g + 1 unpacked as fetch_pair_block does, stored as the tiles read
- * it: 512 bytes at `dst`. */
+ * it: 512 bytes at `dst`; `wide` (q4 against wide rows): 1 KB, the codes times 16 (each
+ * stays in its byte) and then the codes, against the rows' high and low parts. */
 static inline __attribute__((always_inline)) void store_pair_block(
-    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, uint8_t *dst) {
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, int is_q4, int wide,
+    uint8_t *dst) {
     __m512i w[8];
     fetch_pair_block(codes0, codes1, b, is_q4, w);
-    for (int c = 0; c < 8; c++) _mm512_store_si512(dst + 64 * c, w[c]);
+    for (int c = 0; c < 8; c++) {
+        if (wide) _mm512_store_si512(dst + 64 * c, _mm512_slli_epi16(w[c], 4));
+        _mm512_store_si512(dst + 64 * (wide ? 8 + c : c), w[c]);
+    }
 }
 
 /* Block b's sixteen fp16 scales (d or m) of groups g and g + 1 as floats. */
@@ -163,18 +208,27 @@ static inline __attribute__((always_inline)) __m512 scale_block_sums(
 static inline __attribute__((always_inline)) void group_pair_tile(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x, int rows,
-    float *sums, int is_q4) {
+    float *sums, int is_q4, int wide) {
     __m512 acc[PAIR_TILE_ROWS];
     for (int r = 0; r < PAIR_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i w[8];
+        __m512i w[8], w16[8];
         fetch_pair_block(codes0, codes1, b, is_q4, w);
+        if (wide) /* wide rows (quantize_wide_row): 16 c against their high parts */
+            for (int c = 0; c < 8; c++) w16[c] = _mm512_slli_epi16(w[c], 4);
         const __m512 wd = pair_scales(d0, d1, b);
         const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
-            const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+            const int32_t *xq = (const int32_t *)(x[r].q + b * QK * (wide ? 2 : 1));
             __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
             for (int c = 0; c < 8; c += 2) {
+                if (wide) {
+                    even = _mm512_dpbusd_epi32(even, w16[c], _mm512_set1_epi32(xq[c]));
+                    odd = _mm512_dpbusd_epi32(odd, w16[c + 1], _mm512_set1_epi32(xq[c + 1]));
+                    even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[8 + c]));
+                    odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[9 + c]));
+                    continue;
+                }
                 even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(xq[c]));
                 odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(xq[c + 1]));
             }

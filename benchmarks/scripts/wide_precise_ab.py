@@ -1,0 +1,185 @@
+"""Precise q4 rows as twelve-bit codes (wide rows) against a revision before them, side by
+side on the default model's GGUF file: 30 layers' down projections (576 x 1536, random Q4
+blocks) at 1-512 rows, one stream decoding, one 730-token prompt's first token, 4 x 512
+prefill and 32 sequences decoding.
+
+Each revision runs in a fresh process (its checkout first on PYTHONPATH), the revisions
+alternating round by round and which goes first alternating too; the report gives the
+medians and each round's ratio. With --llama-bench, llama-bench's pp512 and tg128 on the
+same file each round.
+
+    .venv/bin/python benchmarks/scripts/wide_precise_ab.py --baseline b90edf0 \
+        --llama-bench LLAMA_BENCH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+from one_forward_ab import llama_bench_pp512
+from results import command_line, write_results
+from revision_build import ROOT, revision_worktree, run_in_tree
+
+from forklift.bench.report import cpu_flags
+
+# One child process: every measurement; prints one JSON object.
+CHILD = r"""
+import json, statistics, sys, time
+import numpy as np
+import torch
+from forklift import LLM, SamplingParams
+from forklift.model.layers.block_weights import BlockInt4
+from forklift.native.quant_matmul import QuantMatmulKernel
+
+result = {}
+kernel = QuantMatmulKernel.load()
+torch.manual_seed(0)
+downs = [BlockInt4.from_dense(torch.randn(576, 1536), kernel, precise=True) for _ in range(30)]
+for rows in (1, 8, 32, 128, 512):
+    x = torch.randn(rows, 1536)
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        for down in downs:
+            down.linear(x)
+        times.append(time.perf_counter() - start)
+    result[f"down_{rows}_ms"] = 1e3 * statistics.median(times[1:])
+del downs
+
+llm = LLM(max_model_len=2048, enable_prefix_caching=False)
+rng = np.random.default_rng(0)
+
+
+def prompts(count, length):
+    return [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, length)]}
+            for _ in range(count)]
+
+
+def timed(batch, params):
+    start = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+one = SamplingParams(max_tokens=1, temperature=0)
+llm.generate(prompts(1, 730), one, use_tqdm=False)
+stream = prompts(1, 40)
+spans = {t: statistics.median(timed(stream, SamplingParams(max_tokens=t, temperature=0,
+                                                          ignore_eos=True)) for _ in range(3))
+         for t in (1, 129)}
+result["stream_tok_s"] = 128 / (spans[129] - spans[1])
+result["first_token_ms"] = 1e3 * statistics.median(timed(prompts(1, 730), one) for _ in range(6))
+result["prefill_tok_s"] = 4 * 512 / statistics.median(
+    [timed(prompts(4, 512), one) for _ in range(4)][1:])
+batch = prompts(32, 96)
+spans = {t: timed(batch, SamplingParams(max_tokens=t, temperature=0, ignore_eos=True))
+         for t in (1, 129)}
+result["decode32_tok_s"] = 32 * 128 / (spans[129] - spans[1])
+print("RESULT " + json.dumps(result))
+"""
+
+MEASURES = {
+    **{f"down_{rows}_ms": (f"30 down projections, {rows} rows (ms)", False)
+       for rows in (1, 8, 32, 128, 512)},
+    "stream_tok_s": ("one stream decoding 128 tokens after 40 (tok/s)", True),
+    "first_token_ms": ("one 730-token prompt: first token (ms)", False),
+    "prefill_tok_s": ("prefill, 4 x 512 tokens (tok/s)", True),
+    "decode32_tok_s": ("32 sequences decoding 128 tokens after 96 (tok/s)", True),
+}  # fmt: skip
+
+
+def llama_bench_tg128(binary: str) -> float:
+    """llama-bench's decode tok/s of 128 tokens on the default model's file, 2 threads."""
+    from forklift.checkpoint.source import resolve_model
+
+    done = subprocess.run(
+        [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", "0", "-n", "128",
+         "-fa", "0", "-o", "json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="the git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--llama-bench", help="llama-bench's path: pp512 and tg128 each round")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "sapphire-rapids")
+    parser.add_argument("--name", default="wide-precise-rows")
+    args = parser.parse_args()
+    pairs: list[dict] = []
+    peer: dict[str, list[float]] = {"pp512": [], "tg128": []}
+    with revision_worktree(args.baseline) as baseline:
+        for round_index in range(args.rounds):
+            # The second process of a pair measured up to a tenth slower, whichever tree.
+            sides = [("baseline", baseline), ("this", ROOT)]
+            if round_index % 2:
+                sides.reverse()
+            pair = {side: run_in_tree(tree, CHILD, "") for side, tree in sides}
+            pairs.append(pair)
+            print(json.dumps(pair), flush=True)
+            if args.llama_bench:
+                peer["pp512"].append(llama_bench_pp512(args.llama_bench))
+                peer["tg128"].append(llama_bench_tg128(args.llama_bench))
+    lines = [
+        "# Precise q4 rows as twelve-bit codes: this tree against the revision before it",
+        "",
+        f"Baseline: revision {args.baseline} (the down projection's rows as two int8 rows), "
+        f"alternating with this tree (one wide row of twelve-bit codes), {args.rounds} "
+        "rounds, each side a fresh process, which side goes first alternating round by "
+        "round. The default model's GGUF file (Q4_1). Down projections: 30 random 576 x 1536 "
+        "Q4 weights, median of 8 passes; one stream: a 40-token prompt, the time with 129 "
+        "output tokens less the time with one (median of 3); first token: one prompt of 730 "
+        "random tokens (median of 6 after a warm-up); prefill: 4 prompts of 512 (median of 3 "
+        "after a warm-up); 32 sequences: prompts of 96 tokens, 129 output tokens less one.",
+        "",
+        "| measure | before | this tree | ratio, median (rounds) |",
+        "|---|---|---|---|",
+    ]
+    for key, (label, higher_is_better) in MEASURES.items():
+        base = statistics.median(p["baseline"][key] for p in pairs)
+        this = statistics.median(p["this"][key] for p in pairs)
+        ratios = [
+            p["this"][key] / p["baseline"][key]
+            if higher_is_better
+            else p["baseline"][key] / p["this"][key]
+            for p in pairs
+        ]
+        lines.append(
+            f"| {label} | {base:.2f} | {this:.2f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+    lines += ["", "Ratios: above 1 means this tree is faster (times: before / after)."]
+    if args.llama_bench:
+        pp512, tg128 = statistics.median(peer["pp512"]), statistics.median(peer["tg128"])
+        ratio = {
+            side: (
+                statistics.median(p[side]["prefill_tok_s"] for p in pairs) / pp512,
+                statistics.median(p[side]["stream_tok_s"] for p in pairs) / tg128,
+            )
+            for side in ("baseline", "this")
+        }
+        lines += [
+            "",
+            f"llama-bench on the same file, 2 threads, the same rounds: pp512 {pp512:.1f} tok/s, "
+            f"tg128 {tg128:.1f} tok/s. forklift's 4 x 512 prefill {ratio['baseline'][0]:.2f}x "
+            f"pp512 before, {ratio['this'][0]:.2f}x now; one stream's decode "
+            f"{ratio['baseline'][1]:.2f}x tg128 before, {ratio['this'][1]:.2f}x now.",
+        ]
+    lines.append("")
+    report = {"cpu_flags": sorted(cpu_flags()), "baseline": args.baseline, "rounds": pairs,
+              "llama_bench": peer}  # fmt: skip
+    words: list[object] = ["--baseline", args.baseline, "--rounds", args.rounds,
+                           "--out-dir", args.out_dir.resolve(), "--name", args.name]  # fmt: skip
+    if args.llama_bench:
+        words += ["--llama-bench", "LLAMA_BENCH"]
+    write_results(args.out_dir, args.name, report, lines, command_line(__file__, *words))
+
+
+if __name__ == "__main__":
+    main()
