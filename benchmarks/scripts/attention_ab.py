@@ -19,7 +19,7 @@ from pathlib import Path
 
 from one_forward_ab import llama_bench_pp512
 from results import command_line, write_results
-from revision_build import ROOT, revision_worktree, run_in_tree
+from revision_build import ROOT, ab_row, revision_worktree, run_in_tree
 
 from forklift.bench.report import cpu_flags
 
@@ -118,19 +118,7 @@ def main() -> None:
     ]
     for name in models:
         for key, (label, higher_is_better) in MEASURES.items():
-            pairs = rounds[name]
-            base = statistics.median(p["baseline"][key] for p in pairs)
-            this = statistics.median(p["this"][key] for p in pairs)
-            ratios = [
-                p["this"][key] / p["baseline"][key]
-                if higher_is_better
-                else p["baseline"][key] / p["this"][key]
-                for p in pairs
-            ]
-            lines.append(
-                f"| {name} | {label} | {base:.1f} | {this:.1f} | "
-                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
-            )
+            lines.append(f"| {name} | {label} | {ab_row(rounds[name], key, higher_is_better)} |")
     lines += ["", "Ratios: above 1 means this tree is faster (times: before / after)."]
     if peer:
         pp512 = statistics.median(peer)

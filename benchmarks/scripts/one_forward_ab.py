@@ -93,16 +93,22 @@ print("RESULT " + json.dumps(result))
 KINDS = ("prefill", "offline", "decode1", "decode8", "invariance")
 
 
-def llama_bench_pp512(binary: str) -> float:
-    """llama-bench's prefill tok/s of 512 tokens on the default model's file, 2 threads."""
+def llama_bench_rate(binary: str, prompt: int, generate: int) -> float:
+    """llama-bench's tok/s on the default model's file, 2 threads: prefill of `prompt` tokens
+    (generate 0) or decode of `generate` (prompt 0)."""
     from forklift.checkpoint.source import resolve_model
 
     done = subprocess.run(
-        [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", "512", "-n", "0",
-         "-fa", "0", "-o", "json"],
+        [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", str(prompt), "-n",
+         str(generate), "-fa", "0", "-o", "json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def llama_bench_pp512(binary: str) -> float:
+    """llama-bench's prefill tok/s of 512 tokens on the default model's file, 2 threads."""
+    return llama_bench_rate(binary, 512, 0)
 
 
 def run_child(tree: Path, kind: str) -> dict:

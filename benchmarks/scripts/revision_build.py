@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,3 +71,19 @@ def run_in_tree(tree: Path, code: str, *arguments: str) -> dict:
                           capture_output=True, text=True, check=True)  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+def ab_row(pairs: list[dict], key: str, higher_is_better: bool) -> str:
+    """One report cell set for measure `key` over rounds of {"baseline": ..., "this": ...}:
+    the two medians and the median (range) of each round's ratio, above 1 where this tree is
+    faster (rates: this / baseline; times: baseline / this)."""
+    base = statistics.median(p["baseline"][key] for p in pairs)
+    this = statistics.median(p["this"][key] for p in pairs)
+    ratios = [
+        p["this"][key] / p["baseline"][key]
+        if higher_is_better
+        else p["baseline"][key] / p["this"][key]
+        for p in pairs
+    ]
+    return (f"{base:.2f} | {this:.2f} | "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip

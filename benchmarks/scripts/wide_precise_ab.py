@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
-from one_forward_ab import llama_bench_pp512
+from one_forward_ab import llama_bench_rate
 from results import command_line, write_results
-from revision_build import ROOT, revision_worktree, run_in_tree
+from revision_build import ROOT, ab_row, revision_worktree, run_in_tree
 
 from forklift.bench.report import cpu_flags
 
@@ -92,18 +91,6 @@ MEASURES = {
 }  # fmt: skip
 
 
-def llama_bench_tg128(binary: str) -> float:
-    """llama-bench's decode tok/s of 128 tokens on the default model's file, 2 threads."""
-    from forklift.checkpoint.source import resolve_model
-
-    done = subprocess.run(
-        [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", "0", "-n", "128",
-         "-fa", "0", "-o", "json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return float(json.loads(done.stdout)[0]["avg_ts"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="the git revision to compare with")
@@ -124,8 +111,8 @@ def main() -> None:
             pairs.append(pair)
             print(json.dumps(pair), flush=True)
             if args.llama_bench:
-                peer["pp512"].append(llama_bench_pp512(args.llama_bench))
-                peer["tg128"].append(llama_bench_tg128(args.llama_bench))
+                peer["pp512"].append(llama_bench_rate(args.llama_bench, 512, 0))
+                peer["tg128"].append(llama_bench_rate(args.llama_bench, 0, 128))
     lines = [
         "# Precise q4 rows as twelve-bit codes: this tree against the revision before it",
         "",
@@ -142,18 +129,7 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for key, (label, higher_is_better) in MEASURES.items():
-        base = statistics.median(p["baseline"][key] for p in pairs)
-        this = statistics.median(p["this"][key] for p in pairs)
-        ratios = [
-            p["this"][key] / p["baseline"][key]
-            if higher_is_better
-            else p["baseline"][key] / p["this"][key]
-            for p in pairs
-        ]
-        lines.append(
-            f"| {label} | {base:.2f} | {this:.2f} | "
-            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        )
+        lines.append(f"| {label} | {ab_row(pairs, key, higher_is_better)} |")
     lines += ["", "Ratios: above 1 means this tree is faster (times: before / after)."]
     if args.llama_bench:
         pp512, tg128 = statistics.median(peer["pp512"]), statistics.median(peer["tg128"])
