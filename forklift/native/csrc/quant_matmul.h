@@ -354,14 +354,14 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         /* Row r's 2 k codes where rows 2 r and 2 r + 1 would be; its scales as row r's. */
         rows_views = malloc(sizeof(QuantizedRow) * (size_t)rows);
         if (rows_views == NULL) return 1;
-        const int64_t code_step = rows > 1 ? views[1].q - views[0].q : 0;
+        const int64_t code_step = views[1].q - views[0].q; /* views: at least two rows */
         for (int64_t r = 0; r < rows; r++)
             rows_views[r] = (QuantizedRow){views[0].q + 2 * r * code_step, views[r].xd,
                                            views[r].xs, views[r].offset};
     }
     quantize_rows(w, x, rows, rows_views, wide, rest, num_threads);
-    const int64_t active = w->precise && !wide ? 2 * rows : rows;
-    const int64_t fold = w->precise && !wide ? rows : 0;
+    const int two_rows = w->precise && !wide; /* a row and what its rounding left */
+    const int64_t active = two_rows ? 2 * rows : rows, fold = two_rows ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty

@@ -5,21 +5,34 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX512_H
 #define FORKLIFT_QUANT_MATMUL_AVX512_H
 
-/* Block b of a row quantized with its scale's reciprocal `inverse` (broadcast; 0 for a
- * block of zeros or of values so small that the reciprocal would overflow): its codes into
- * the row, and sixteen lanes of their integer sums. Not contracted: x *
- * inverse is rounded before the rounding constant is added (GCC's vector intrinsics are
- * plain arithmetic to it, fused across statements unless told). */
+/* Block b of x times its scale's reciprocal `inverse` (broadcast; 0 for a block of zeros or
+ * of values so small that the reciprocal would overflow), rounded to integers: values
+ * 0-15 into q[0], 16-31 into q[1]. Not contracted: x * inverse is rounded before the
+ * rounding constant is added (GCC's vector intrinsics are plain arithmetic to it, fused
+ * across statements unless told). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline __attribute__((always_inline)) void round_block(const float *x, int64_t b,
+                                                              __m512 inverse, __m512i q[2]) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    for (int half = 0; half < 2; half++) {
+        const __m512 v = _mm512_loadu_ps(x + b * QK + 16 * half);
+        q[half] = _mm512_cvttps_epi32(
+            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, inverse), magic), magic));
+    }
+}
+
+/* Block b of a row quantized with `inverse` (round_block): its codes into the row, and
+ * sixteen lanes of their integer sums. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline __attribute__((always_inline)) __m512i quantize_block(
     const float *x, int64_t b, __m512 inverse, QuantizedRow row) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
-    const __m512 r_lo = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic);
-    const __m512 r_hi = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic);
-    const __m512i q_lo = _mm512_cvttps_epi32(r_lo), q_hi = _mm512_cvttps_epi32(r_hi);
+    __m512i q[2];
+    round_block(x, b, inverse, q);
+    const __m512i q_lo = q[0], q_hi = q[1];
     _mm_storeu_si128((__m128i *)(row.q + b * QK), _mm512_cvtepi32_epi8(q_lo));
     _mm_storeu_si128((__m128i *)(row.q + b * QK + 16), _mm512_cvtepi32_epi8(q_hi));
     return _mm512_add_epi32(q_lo, q_hi);
@@ -82,6 +95,9 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
     quantize_row_vectors(x, k, row);
 }
 
+#if defined(FORKLIFT_PAIRED_GROUPS)
+#define PAIR_TILE_ROWS 8
+
 /* The largest code of a wide row: twelve bits, 16 h + l with h a signed byte and l in 0..15. */
 #define WIDE_CODE_MAX 2047.0f
 
@@ -97,17 +113,13 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
     const __m512i low_bits = _mm512_set1_epi32(15);
     for (int64_t b = 0; b < k / QK; b++) {
         const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
         const float d = amax / WIDE_CODE_MAX;
-        const __m512 inverse = _mm512_set1_ps(block_inverse(d));
-        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
-        const __m512i q_lo = _mm512_cvttps_epi32(
-            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, inverse), magic), magic));
-        const __m512i q_hi = _mm512_cvttps_epi32(
-            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, inverse), magic), magic));
+        __m512i q[2];
+        round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
+        const __m512i q_lo = q[0], q_hi = q[1];
         int8_t *codes = row.q + 2 * b * QK;
         _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_lo, 4)));
         _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_hi, 4)));
@@ -122,8 +134,6 @@ static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row
     }
 }
 
-#if defined(FORKLIFT_PAIRED_GROUPS)
-#define PAIR_TILE_ROWS 8
 /* Block b of groups g and g + 1 (`first`, `second`) as eight vectors: vector c, lane i holds
  * the four codes of inputs 4c..4c + 3 for output i of group g (lanes 0-7) or of group g + 1
  * (lanes 8-15), unsigned (q8 codes as w + 128). */
