@@ -93,14 +93,14 @@ print("RESULT " + json.dumps(result))
 KINDS = ("prefill", "offline", "decode1", "decode8", "invariance")
 
 
-def llama_bench_rate(binary: str, prompt: int, generate: int) -> float:
+def llama_bench_rate(binary: str, prompt: int, generate: int, depth: int = 0) -> float:
     """llama-bench's tok/s on the default model's file, 2 threads: prefill of `prompt` tokens
-    (generate 0) or decode of `generate` (prompt 0)."""
+    (generate 0) or decode of `generate` (prompt 0), after `depth` tokens of context."""
     from forklift.checkpoint.source import resolve_model
 
     done = subprocess.run(
         [binary, "-m", str(resolve_model(None).path), "-t", "2", "-p", str(prompt), "-n",
-         str(generate), "-fa", "0", "-o", "json"],
+         str(generate), "-d", str(depth), "-fa", "0", "-o", "json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return float(json.loads(done.stdout)[0]["avg_ts"])

@@ -1,12 +1,13 @@
 """Precise q4 rows as twelve-bit codes (wide rows) against a revision before them, side by
 side on the default model's GGUF file: 30 layers' down projections (576 x 1536, random Q4
-blocks) at 1-512 rows, one stream decoding, one 730-token prompt's first token, 4 x 512
-prefill and 32 sequences decoding.
+blocks) at 1-512 rows, and in the AVX2 build (two int8 rows either way) at 1 and 32, one
+stream decoding after 564 tokens, one 730-token prompt's first token, 4 x 512 prefill and
+32 sequences decoding.
 
 Each revision runs in a fresh process (its checkout first on PYTHONPATH), the revisions
 alternating round by round and which goes first alternating too; the report gives the
 medians and each round's ratio. With --llama-bench, llama-bench's pp512 and tg128 on the
-same file each round.
+same file each round (tg128 at depth 564, as the stream).
 
     .venv/bin/python benchmarks/scripts/wide_precise_ab.py --baseline b90edf0 \
         --llama-bench LLAMA_BENCH
@@ -35,19 +36,26 @@ from forklift.model.layers.block_weights import BlockInt4
 from forklift.native.quant_matmul import QuantMatmulKernel
 
 result = {}
-kernel = QuantMatmulKernel.load()
-torch.manual_seed(0)
-downs = [BlockInt4.from_dense(torch.randn(576, 1536), kernel, precise=True) for _ in range(30)]
-for rows in (1, 8, 32, 128, 512):
-    x = torch.randn(rows, 1536)
-    times = []
-    for _ in range(9):
-        start = time.perf_counter()
-        for down in downs:
-            down.linear(x)
-        times.append(time.perf_counter() - start)
-    result[f"down_{rows}_ms"] = 1e3 * statistics.median(times[1:])
-del downs
+
+
+# 30 random precise Q4 down projections through `kernel`: ms per pass, by rows.
+def time_downs(kernel, row_counts, prefix):
+    torch.manual_seed(0)
+    downs = [BlockInt4.from_dense(torch.randn(576, 1536), kernel, precise=True)
+             for _ in range(30)]
+    for rows in row_counts:
+        x = torch.randn(rows, 1536)
+        times = []
+        for _ in range(9):
+            start = time.perf_counter()
+            for down in downs:
+                down.linear(x)
+            times.append(time.perf_counter() - start)
+        result[f"{prefix}down_{rows}_ms"] = 1e3 * statistics.median(times[1:])
+
+
+time_downs(QuantMatmulKernel.load(), (1, 8, 32, 128, 512), "")
+time_downs(QuantMatmulKernel.load(("-march=x86-64-v3",)), (1, 32), "avx2_")
 
 llm = LLM(max_model_len=2048, enable_prefix_caching=False)
 rng = np.random.default_rng(0)
@@ -66,7 +74,7 @@ def timed(batch, params):
 
 one = SamplingParams(max_tokens=1, temperature=0)
 llm.generate(prompts(1, 730), one, use_tqdm=False)
-stream = prompts(1, 40)
+stream = prompts(1, 564)
 spans = {t: statistics.median(timed(stream, SamplingParams(max_tokens=t, temperature=0,
                                                           ignore_eos=True)) for _ in range(3))
          for t in (1, 129)}
@@ -84,7 +92,8 @@ print("RESULT " + json.dumps(result))
 MEASURES = {
     **{f"down_{rows}_ms": (f"30 down projections, {rows} rows (ms)", False)
        for rows in (1, 8, 32, 128, 512)},
-    "stream_tok_s": ("one stream decoding 128 tokens after 40 (tok/s)", True),
+    **{f"avx2_down_{rows}_ms": (f"... AVX2 build, {rows} rows (ms)", False) for rows in (1, 32)},
+    "stream_tok_s": ("one stream decoding 128 tokens after 564 (tok/s)", True),
     "first_token_ms": ("one 730-token prompt: first token (ms)", False),
     "prefill_tok_s": ("prefill, 4 x 512 tokens (tok/s)", True),
     "decode32_tok_s": ("32 sequences decoding 128 tokens after 96 (tok/s)", True),
@@ -112,7 +121,7 @@ def main() -> None:
             print(json.dumps(pair), flush=True)
             if args.llama_bench:
                 peer["pp512"].append(llama_bench_rate(args.llama_bench, 512, 0))
-                peer["tg128"].append(llama_bench_rate(args.llama_bench, 0, 128))
+                peer["tg128"].append(llama_bench_rate(args.llama_bench, 0, 128, 564))
     lines = [
         "# Precise q4 rows as twelve-bit codes: this tree against the revision before it",
         "",
@@ -120,7 +129,8 @@ def main() -> None:
         f"alternating with this tree (one wide row of twelve-bit codes), {args.rounds} "
         "rounds, each side a fresh process, which side goes first alternating round by "
         "round. The default model's GGUF file (Q4_1). Down projections: 30 random 576 x 1536 "
-        "Q4 weights, median of 8 passes; one stream: a 40-token prompt, the time with 129 "
+        "Q4 weights, median of 8 passes (the AVX2 build: this CPU running x86-64-v3 code); one "
+        "stream: a 564-token prompt, the time with 129 "
         "output tokens less the time with one (median of 3); first token: one prompt of 730 "
         "random tokens (median of 6 after a warm-up); prefill: 4 prompts of 512 (median of 3 "
         "after a warm-up); 32 sequences: prompts of 96 tokens, 129 output tokens less one.",
@@ -143,8 +153,9 @@ def main() -> None:
         lines += [
             "",
             f"llama-bench on the same file, 2 threads, the same rounds: pp512 {pp512:.1f} tok/s, "
-            f"tg128 {tg128:.1f} tok/s. forklift's 4 x 512 prefill {ratio['baseline'][0]:.2f}x "
-            f"pp512 before, {ratio['this'][0]:.2f}x now; one stream's decode "
+            f"tg128 at depth 564 {tg128:.1f} tok/s. forklift's 4 x 512 prefill "
+            f"{ratio['baseline'][0]:.2f}x pp512 before, {ratio['this'][0]:.2f}x now; one "
+            "stream's decode "
             f"{ratio['baseline'][1]:.2f}x tg128 before, {ratio['this'][1]:.2f}x now.",
         ]
     lines.append("")
