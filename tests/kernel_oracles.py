@@ -31,12 +31,12 @@ def activation_quantized(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * scale).view(rows, k)
 
 
-def activation_quantized_wide(x: torch.Tensor) -> torch.Tensor:
-    """x as a precise q4 weight's wide rows hold it: twelve-bit codes per 32 values with
-    scale max|x| / 2047."""
+def activation_quantized_wide(x: torch.Tensor, code_max: int = 2047) -> torch.Tensor:
+    """x as a precise weight's wide rows hold it: integer codes per 32 values with scale
+    max|x| / code_max (a q4 weight's twelve bits, 2047; a q8 weight's sixteen, 32639)."""
     rows, k = x.shape
     blocks = x.float().view(rows, k // 32, 32)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 2047
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / code_max
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (torch.round(blocks * inverse) * scale).view(rows, k)
 

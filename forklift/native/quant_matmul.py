@@ -39,9 +39,10 @@ class QuantMatmulKernel:
 
     @property
     def wide_precise(self) -> bool:
-        """Whether a precise q4 weight (the MLP's down projection) takes each activation row
-        as twelve-bit codes (csrc/quant_matmul_avx512.h, quantize_wide_row) rather than as
-        two int8 rows."""
+        """Whether a precise weight takes each activation row as one wide row of codes
+        (csrc/quant_matmul_avx512.h, quantize_wide_row: twelve bits for a q4 weight, the
+        MLP's down projection; sixteen for a q8 one, the LM head) rather than as two int8
+        rows."""
         return bool(self._library.forklift_quant_wide_precise())
 
     @classmethod

@@ -109,11 +109,11 @@ def test_block_matmul_equals_the_reference(kernel, n, k, form):
 
 
 def _precise_reference(kernel: QuantMatmulKernel, form: str, x: torch.Tensor) -> torch.Tensor:
-    """The activations as a precise weight takes them: a q4 weight's wide rows of twelve-bit
-    codes where the kernel has them, else two int8 rows, the quantized row and what its
-    rounding left."""
-    if form == "int4" and kernel.wide_precise:
-        return activation_quantized_wide(x)
+    """The activations as a precise weight takes them: wide rows where the kernel has them
+    (a q4 weight's of twelve-bit codes, a q8 weight's of sixteen), else two int8 rows, the
+    quantized row and what its rounding left."""
+    if kernel.wide_precise:
+        return activation_quantized_wide(x, 2047 if form == "int4" else 32639)
     first = activation_quantized(x)
     return first + activation_quantized(x - first)
 
@@ -122,7 +122,9 @@ def _precise_reference(kernel: QuantMatmulKernel, form: str, x: torch.Tensor) ->
 def test_precise_activations_equal_their_reference_and_beat_int8(kernel, form):
     """A precise weight (an LM head, a down projection) takes finer activations than int8:
     the product equals that reference and is far closer to the float product (twelve-bit
-    codes: at least 10x; two int8 rows: at least 50x)."""
+    codes: at least 10x; two int8 rows: at least 50x). A q8 weight's wide rows take every
+    form here: dot products (1, 3), a tile of paired rows (8), a tile of 9-15 split rows (9,
+    12) and tiles of sixteen (16, 40)."""
     torch.manual_seed(5)
     n, k = 42, 192  # six row groups, the last one partial: each thread's last has no partner
     weight = torch.randn(n, k)
@@ -130,7 +132,7 @@ def test_precise_activations_equal_their_reference_and_beat_int8(kernel, form):
     precise, plain = build(weight, kernel, precise=True), build(weight, kernel)
     exact = precise.dequantize()
     factor = 10 if form == "int4" and kernel.wide_precise else 50
-    for rows in (1, 3, 9, 16, 40):
+    for rows in (1, 3, 8, 9, 12, 16, 40):
         x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)  # uneven blocks, as real ones
         want = (_precise_reference(kernel, form, x).double() @ exact.double().T).float()
         got = precise.linear(x)

@@ -61,7 +61,7 @@ class BlockInt4:
     mins: torch.Tensor  # [N / 8, K / 32, 8] float16: m
     shape: tuple[int, int]
     kernel: QuantMatmulKernel
-    # Activations as two int8 rows each (about 15 bits): for LM heads (csrc/quant_matmul.h).
+    # Finer activations than int8 (csrc/quant_matmul.h, QuantWeight): LM heads, down projections.
     precise: bool = False
     form = "int4"
     max_rows = BLOCK_MAX_ROWS

@@ -93,11 +93,12 @@ static inline float block_inverse(float d) {
 
 /* Weights of one matmul: q4 when `m` is set, else q8. `precise`: finer activations than
  * int8, for the LM head (sampling reads its logits directly) and the MLP's down projection
- * (its input carries outliers). A q8 weight takes each row as two int8 rows, the quantized
- * row and what its rounding left (about 15 bits, for twice the integer work); a q4 weight,
- * where the paired kernels are built, as one wide row of twelve-bit codes
- * (quantize_wide_row: one integer dot product of 64 bytes a block, one row's scaling),
- * elsewhere as two int8 rows too. */
+ * (its input carries outliers). Where the paired kernels are built, each row is one wide
+ * row of codes (quantize_wide_row), one row's scaling a block: a q4 weight's twelve-bit
+ * codes in one integer dot product of 64 bytes, a q8 weight's sixteen-bit ones in two (the
+ * high and low bytes, or a tile of eight rows as paired int8 rows, quantize_paired_row: the
+ * same integer). Elsewhere each row is two int8 rows, the quantized row and what its
+ * rounding left (about 15 bits), scaled one by one. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *d;
@@ -172,7 +173,8 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
 static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
                                         int64_t rows, float *out, int64_t out_stride,
                                         int64_t fold, int64_t code_stride, uint8_t *unpacked,
-                                        TileScales tile_scales, int wide, int lone) {
+                                        TileScales tile_scales, int wide, int lone,
+                                        int tile_rows, int paired) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -189,10 +191,15 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
      * read codes written long before (a tile load right after the stores that fill it waits
      * for them). */
     const uint8_t *ready = NULL;
+    const int split = wide && !is_q4; /* a q8 weight's wide rows: group_pair_split_tiles */
     if (code_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
-        for (int64_t b = 0; b < blocks; b++)
-            store_pair_block(codes, codes + partner, b, is_q4, wide,
-                             unpacked + b * (wide ? 1024 : 512));
+        for (int64_t b = 0; b < blocks; b++) {
+            if (split)
+                store_signed_pair_block(codes, codes + partner, b, unpacked + b * 512);
+            else
+                store_pair_block(codes, codes + partner, b, is_q4, wide,
+                                 unpacked + b * (wide ? 1024 : 512));
+        }
         ready = unpacked;
     }
 #else
@@ -203,28 +210,33 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
 #if defined(FORKLIFT_QUANT_TILES)
         /* A tile may span both halves of precise rows: rows are stored in order, each
          * second half adding onto its first, as the dot products' tiles leave them. */
-        if (code_stride && rows - r0 >= QUANT_TILE_ROWS) {
+        if (code_stride && rows - r0 >= tile_rows) {
             float sums[16 * QUANT_TILE_ROWS];
             const TileScales scales = tile_scales_at(tile_scales, r0, blocks);
-            if (wide)
+            if (split)
+                group_pair_split_tiles(codes, codes + partner, d, d + partner_scales, blocks,
+                                       x + r0, code_stride, scales, sums, ready, tile_rows);
+            else if (wide)
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
                                  m + partner_scales, blocks, x + r0, code_stride, scales, sums,
-                                 1, 1, ready);
+                                 1, 1, ready, 0);
             else if (is_q4)
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
                                  m + partner_scales, blocks, x + r0, code_stride, scales, sums,
-                                 1, 0, ready);
-            else
+                                 1, 0, ready, 0);
+            else /* q8: int8 rows, or a tile of paired rows (eight rows' high and low) */
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, NULL, NULL,
-                                 blocks, x + r0, code_stride, scales, sums, 0, 0, ready);
-            for (int t = 0; t < QUANT_TILE_ROWS; t++)
-                store_pair_sums(out, out_stride, r0 + t, fold, first, sums + 16 * t,
-                                first_width, second_width);
-            r0 += QUANT_TILE_ROWS;
+                                 blocks, x + r0, code_stride, scales, sums, 0, 0, ready, paired);
+            for (int t = 0; t < (paired ? tile_rows / 2 : tile_rows); t++)
+                store_pair_sums(out, out_stride, (paired ? r0 / 2 : r0) + t, fold, first,
+                                sums + 16 * t, first_width, second_width);
+            r0 += tile_rows;
             continue;
         }
 #else
         (void)code_stride;
+        (void)tile_rows;
+        (void)paired;
 #endif
         const int64_t limit = fold > 0 && r0 < fold ? fold : rows;
         const int tile = limit - r0 < PAIR_TILE_ROWS ? (int)(limit - r0) : PAIR_TILE_ROWS;
@@ -244,8 +256,10 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         case 7: PAIR_TILE(is_q4, wide, 7); break;                                            \
         default: PAIR_TILE(is_q4, wide, 8); break;                                           \
         }
-        if (wide) {
+        if (wide && is_q4) {
             PAIR_TILES(1, 1)
+        } else if (wide) {
+            PAIR_TILES(0, 1)
         } else if (is_q4) {
             PAIR_TILES(1, 0)
         } else {
@@ -313,7 +327,7 @@ static inline void quantize_rows(const QuantWeight *w, const float *x, int64_t r
 #define QUANTIZE_ROW(r, residual)                                                          \
     do {                                                                                   \
         if (wide)                                                                          \
-            quantize_wide_row(x + (r) * k, k, views[r]);                                   \
+            quantize_wide_row(x + (r) * k, k, views[r], w->m != NULL);                     \
         else                                                                               \
             quantize_precise_row(x + (r) * k, k, views, rows, r, w->precise, residual);   \
     } while (0)
@@ -336,8 +350,9 @@ static inline void quantize_rows(const QuantWeight *w, const float *x, int64_t r
 
 /* out [rows, n] = x [rows, k] @ W.T. `views` holds 2 * rows quantized rows of at least k
  * values, their codes evenly spaced (quantized_rows_alloc's), and `rest` k floats; a
- * precise weight's rows take two of them (q8: a second row of what the first's rounding
- * left; q4 with the paired kernels: one wide row over both rows' codes). The weight's row
+ * precise weight's rows take two of them (with the paired kernels one wide row over both
+ * rows' codes, or a q8 weight's eight rows as high and low rows; elsewhere a second row of
+ * what the first's rounding left). The weight's row
  * groups are split among the threads, each block read once for every row. Returns 1 when
  * scratch could not be allocated (nothing is written). */
 static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_t rows,
@@ -345,12 +360,20 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                                     int num_threads) {
     const int64_t k = w->k;
 #if defined(FORKLIFT_PAIRED_GROUPS)
-    const int wide = w->precise && w->m != NULL;
+    const int wide = w->precise;
 #else
     const int wide = 0;
 #endif
+#if defined(FORKLIFT_QUANT_TILES)
+    /* Eight rows of a q8 weight's wide rows fill one tile as paired int8 rows instead
+     * (quantize_paired_row: the same codes): as split rows they would take two half-empty
+     * tiles a block. */
+    const int paired = wide && w->m == NULL && rows == QUANT_TILE_ROWS / 2 && amx_tiles_usable();
+#else
+    const int paired = 0;
+#endif
     QuantizedRow *rows_views = views;
-    if (wide) {
+    if (wide && !paired) {
         /* Row r's 2 k codes where rows 2 r and 2 r + 1 would be; its scales as row r's. */
         rows_views = malloc(sizeof(QuantizedRow) * (size_t)rows);
         if (rows_views == NULL) return 1;
@@ -359,22 +382,34 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
             rows_views[r] = (QuantizedRow){views[0].q + 2 * r * code_step, views[r].xd,
                                            views[r].xs, views[r].offset};
     }
-    quantize_rows(w, x, rows, rows_views, wide, rest, num_threads);
+#if defined(FORKLIFT_QUANT_TILES)
+    if (paired)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_paired_row(x + r * k, k, views[2 * r], views[2 * r + 1]);
+    else
+#endif
+        quantize_rows(w, x, rows, rows_views, wide, rest, num_threads);
     const int two_rows = w->precise && !wide; /* a row and what its rounding left */
-    const int64_t active = two_rows ? 2 * rows : rows, fold = two_rows ? rows : 0;
+    const int64_t active = two_rows || paired ? 2 * rows : rows, fold = two_rows ? rows : 0;
     const int64_t groups = (w->n + 7) / 8;
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
-     * and the dot products win. */
-    int64_t code_stride = active >= QUANT_TILE_ROWS && amx_tiles_usable()
+     * and the dot products win, but for a q8 weight's split rows, two dot products a
+     * block, eight to fifteen rows take one tile of that many. */
+    const int tile_rows = wide && !paired && w->m == NULL && active >= SPLIT_TILE_MIN_ROWS &&
+                                  active < QUANT_TILE_ROWS
+                              ? (int)active
+                              : QUANT_TILE_ROWS;
+    int64_t code_stride = active >= tile_rows && amx_tiles_usable()
                               ? even_code_stride(rows_views, active)
                               : 0;
 #elif defined(FORKLIFT_PAIRED_GROUPS)
     const int64_t code_stride = 0; /* no tiles: pairs by dot products only */
+    const int tile_rows = 0;
 #endif
     TileScales tile_scales = {NULL, NULL, NULL};
 #if defined(FORKLIFT_QUANT_TILES)
-    const int64_t tiles = code_stride ? active / QUANT_TILE_ROWS : 0, blocks = k / QK;
+    const int64_t tiles = code_stride ? active / tile_rows : 0, blocks = k / QK;
     if (tiles > 0) {
         const int64_t count = tiles * blocks * QUANT_TILE_ROWS;
         tile_scales.xd = malloc(sizeof(float) * (size_t)(3 * count));
@@ -393,12 +428,14 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         if (code_stride) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++)
-                transpose_tile_scales(rows_views, t, blocks, tile_scales);
-            quant_tiles_configure(wide);
+                transpose_tile_scales(rows_views, t, blocks, tile_scales, tile_rows);
+            quant_tiles_configure(!wide || paired ? QUANT_TILES_INT8
+                                  : w->m != NULL ? QUANT_TILES_WIDE : QUANT_TILES_SPLIT,
+                                  tile_rows);
         }
         /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
         if (code_stride && active >= 2 * QUANT_TILE_ROWS)
-            unpacked = aligned_alloc(64, (size_t)(k / QK) * (wide ? 1024 : 512));
+            unpacked = aligned_alloc(64, (size_t)(k / QK) * (wide && w->m != NULL ? 1024 : 512));
 #endif
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
@@ -417,8 +454,8 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                 if (g + 1 < end || wide) {
                     quant_row_group_pair(w, g, slab_views, count, slab_out, w->n, fold,
                                          code_stride, unpacked,
-                                         tile_scales_at(tile_scales, first, k / QK), wide,
-                                         g + 1 >= end);
+                                         tile_scales_at(tile_scales, first, k / QK),
+                                         wide && !paired, g + 1 >= end, tile_rows, paired);
                     g++;
                     continue;
                 }

@@ -5,14 +5,16 @@
 #define FORKLIFT_QUANT_MATMUL_AMX_H
 
 #define QUANT_TILE_ROWS 16
+/* The fewest rows a tile of split rows takes (group_pair_split_tiles). */
+#define SPLIT_TILE_MIN_ROWS 8
 
-/* Tile t of rows' scales (rows 16 t..16 t + 15 of x) transposed into the t-th TileScales of
- * `all` (each `blocks` * 16 entries long). */
+/* Tile t of rows' scales (rows `tile_rows` t.. of x, tile_rows <= 16) transposed into the
+ * t-th TileScales of `all` (each `blocks` * 16 entries long). */
 static inline void transpose_tile_scales(const QuantizedRow *x, int64_t t, int64_t blocks,
-                                         TileScales all) {
+                                         TileScales all, int tile_rows) {
     const int64_t first = t * blocks * QUANT_TILE_ROWS;
-    for (int r = 0; r < QUANT_TILE_ROWS; r++) {
-        const QuantizedRow row = x[t * QUANT_TILE_ROWS + r];
+    for (int r = 0; r < tile_rows; r++) {
+        const QuantizedRow row = x[t * tile_rows + r];
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = first + b * QUANT_TILE_ROWS + r;
             all.xd[at] = row.xd[b];
@@ -22,21 +24,39 @@ static inline void transpose_tile_scales(const QuantizedRow *x, int64_t t, int64
     }
 }
 
+/* The tile shapes a matmul's rows take (quant_tiles_configure). */
+enum { QUANT_TILES_INT8, QUANT_TILES_WIDE, QUANT_TILES_SPLIT };
+
 /* Tiles 0, 1: a block's int32 sums (16 rows x 16 outputs), even and odd blocks; 2, 3: the
  * rows' codes of the block (16 x 32 bytes; wide rows, 16 x 64); 4, 5: the pair's unpacked
  * codes (8 x 64 bytes, vector c of unpack_pair_block as row c: the B operand's layout of
- * four inputs per output; against wide rows 16 x 64, store_pair_block's). */
-static inline void quant_tiles_configure(int wide) {
+ * four inputs per output; against wide rows 16 x 64, store_pair_block's). Split rows (a q8
+ * weight's wide rows, group_pair_split_tiles): 2 and 3 take the rows' high and low parts
+ * (16 x 32 bytes each), 4 and 5 the even and odd blocks' signed codes (8 x 64), and 6, 7
+ * the odd block's sums beside 0, 1 (the even block's high and low). */
+static inline void quant_tiles_configure(int form, int tile_rows) {
     AmxTileConfig config = {.palette = 1};
     for (int t = 0; t < 2; t++) {
         config.colsb[t] = 64;
-        config.rows[t] = 16;
-        config.colsb[2 + t] = wide ? 64 : 32;
-        config.rows[2 + t] = 16;
+        config.rows[t] = (uint8_t)tile_rows;
+        config.colsb[2 + t] = form == QUANT_TILES_WIDE ? 64 : 32;
+        config.rows[2 + t] = (uint8_t)tile_rows;
         config.colsb[4 + t] = 64;
-        config.rows[4 + t] = wide ? 16 : 8;
+        config.rows[4 + t] = form == QUANT_TILES_WIDE ? 16 : 8;
+        config.colsb[6 + t] = form == QUANT_TILES_SPLIT ? 64 : 0;
+        config.rows[6 + t] = form == QUANT_TILES_SPLIT ? (uint8_t)tile_rows : 0;
     }
     _tile_loadconfig(&config);
+}
+
+/* Block b of q8 groups g and g + 1 as the split tiles read it: the codes signed, as the
+ * file holds them (unpack_pair_block's order), 512 bytes at `dst`. */
+static inline __attribute__((always_inline)) void store_signed_pair_block(
+    const uint8_t *codes0, const uint8_t *codes1, int64_t b, uint8_t *dst) {
+    __m512i w[8];
+    fetch_pair_block(codes0, codes1, b, 0, w);
+    for (int c = 0; c < 8; c++)
+        _mm512_store_si512(dst + 64 * c, _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80)));
 }
 
 /* Block b's tile product into sum tile `sum` from the rows' and the codes' tiles (tile
@@ -63,7 +83,7 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
     int64_t stride, TileScales scales, float *sums, int is_q4, int wide,
-    const uint8_t *unpacked) {
+    const uint8_t *unpacked, int pairs) {
     /* Wide rows (quantize_wide_row): one product of 64 bytes a block, the same sums as the
      * dot products' (group_pair_tile). */
     const int64_t tile_bytes = wide ? 1024 : 512, row_bytes = wide ? 2 * QK : QK;
@@ -95,15 +115,91 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
             const __m512 wd = pair_scales(d0, d1, done);
             const __m512 wm = is_q4 ? pair_scales(m0, m1, done) : _mm512_setzero_ps();
             const int64_t at = done * QUANT_TILE_ROWS;
-            for (int r = 0; r < QUANT_TILE_ROWS; r++)
-                acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd, wm,
-                                          scales.xd + at + r, scales.xs + at + r,
-                                          scales.offset + at + r, is_q4);
+            if (pairs) /* rows 2 i and 2 i + 1: row i's high and low parts */
+                for (int r = 0; r < QUANT_TILE_ROWS / 2; r++) {
+                    const __m512i high = _mm512_load_si512(done_sums + 32 * r);
+                    const __m512i low = _mm512_load_si512(done_sums + 32 * r + 16);
+                    acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
+                                              wd, wm, scales.xd + at + 2 * r, scales.xs + at + 2 * r,
+                                              scales.offset + at + 2 * r, 0);
+                }
+            else
+                for (int r = 0; r < QUANT_TILE_ROWS; r++)
+                    acc[r] = scale_block_sums(acc[r], _mm512_load_si512(done_sums + 16 * r), wd,
+                                              wm, scales.xd + at + r, scales.xs + at + r,
+                                              scales.offset + at + r, is_q4);
         }
     }
-    for (int r = 0; r < QUANT_TILE_ROWS; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+    for (int r = 0; r < (pairs ? QUANT_TILE_ROWS / 2 : QUANT_TILE_ROWS); r++)
+        _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
 #undef QUANT_TILE_PRODUCT
+
+/* `tile_rows` split rows (a precise q8 weight's, quantize_wide_row; sixteen, or a step's
+ * eight to fifteen) against groups g and g + 1 on AMX-INT8 tiles of that many rows
+ * (quant_tiles_configure(QUANT_TILES_SPLIT, tile_rows)): per block a product of the
+ * rows' high parts by the signed codes (`tdpbssd`) and one of their low parts (`tdpbusd`),
+ * each row's sums then 256 times the first plus the second: group_pair_tile's integers
+ * (which take the unsigned codes' surplus off through offset, here 0), scaled by
+ * scale_block_sums as there, so the same bits. Pipelined as group_pair_tiles: block b's
+ * products run while block b - 1's sums are stored and block b - 2's scaled. */
+static inline __attribute__((always_inline)) void group_pair_split_tiles(
+    const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
+    int64_t blocks, const QuantizedRow *x, int64_t stride, TileScales scales, float *sums,
+    const uint8_t *unpacked, int tile_rows) {
+    uint8_t codes_tile[2][512] __attribute__((aligned(64)));
+    int32_t block_sums[2][2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
+    __m512 acc[QUANT_TILE_ROWS];
+    for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks + 2; b++) {
+        if (b < blocks) {
+            const uint8_t *tile = unpacked != NULL ? unpacked + b * 512 : codes_tile[b & 1];
+            if (unpacked == NULL) store_signed_pair_block(codes0, codes1, b, codes_tile[b & 1]);
+            const int8_t *rows = x[0].q + b * 2 * QK;
+            __asm__ volatile("" ::: "memory"); /* the codes' stores before their tile load */
+            _tile_loadd(2, rows, stride);
+            _tile_loadd(3, rows + QK, stride);
+            if (b & 1) {
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_loadd(5, tile, 64);
+                _tile_dpbssd(6, 2, 5);
+                _tile_dpbusd(7, 3, 5);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, tile, 64);
+                _tile_dpbssd(0, 2, 4);
+                _tile_dpbusd(1, 3, 4);
+            }
+        }
+        if (b >= 1 && b - 1 < blocks) {
+            int32_t(*done)[16 * QUANT_TILE_ROWS] = block_sums[(b - 1) % 2];
+            if ((b - 1) & 1) {
+                _tile_stored(6, done[0], 64);
+                _tile_stored(7, done[1], 64);
+            } else {
+                _tile_stored(0, done[0], 64);
+                _tile_stored(1, done[1], 64);
+            }
+        }
+        if (b >= 2) {
+            const int64_t done = b - 2;
+            const int32_t(*done_sums)[16 * QUANT_TILE_ROWS] = block_sums[done % 2];
+            const __m512 wd = pair_scales(d0, d1, done);
+            const int64_t at = done * QUANT_TILE_ROWS;
+            for (int r = 0; r < tile_rows; r++) {
+                const __m512i high = _mm512_load_si512(done_sums[0] + 16 * r);
+                const __m512i low = _mm512_load_si512(done_sums[1] + 16 * r);
+                /* scale_block_sums' steps, with no offset to take off */
+                acc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low)),
+                    _mm512_mul_ps(wd, _mm512_set1_ps(scales.xd[at + r])), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < tile_rows; r++) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
 
 /* How many bytes apart consecutive rows' codes of x[0..count - 1] (count >= 2) lie when
  * they are evenly spaced in ascending order (one tile load reads any sixteen of them); 0

@@ -98,39 +98,80 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
 #define PAIR_TILE_ROWS 8
 
-/* The largest code of a wide row: twelve bits, 16 h + l with h a signed byte and l in 0..15. */
-#define WIDE_CODE_MAX 2047.0f
-
-/* A precise q4 weight's activation row (the MLP's down projection, whose input carries the
- * outliers that int8 rounds to nothing): each block of 32 quantized to twelve bits, q =
- * round(x / d) with d = max |x| / 2047, and stored as two bytes a value, block b's 64 codes
- * at row.q + 64 b: the high parts h = q >> 4 (signed), then the low ones l = q & 15. With
- * the weights' codes c taken as 16 c against h and c against l, one integer dot product of
- * 64 bytes is sum c q exactly, whatever multiplies it (group_pair_tile, group_pair_tiles).
- * xs[b] = d * sum(q) (the mins' term); offset is not used (q4 weights only). Not
- * contracted, as quantize_row. */
+/* Wide rows (a precise weight's activation rows, whose input carries the outliers that int8
+ * rounds to nothing): each block of 32 quantized to more than eight bits, q = round(x / d),
+ * and stored as two bytes a value, block b's 64 codes at row.q + 64 b: the high parts
+ * h = q >> shift (signed), then the low ones l = q & (2^shift - 1) (unsigned).
+ * - q4 weights (the MLP's down projection): twelve bits, shift 4. With the weights' codes c
+ *   taken as 16 c against h and c against l, one integer dot product of 64 bytes is sum c q
+ *   exactly, whatever multiplies it (group_pair_tile, group_pair_tiles); xs[b] = d * sum(q)
+ *   (the mins' term).
+ * - q8 weights (the LM head): sixteen bits, shift 8. Codes -127..127 times 256 leave a
+ *   byte, so h and l take a dot product each, 256 sum(w h) + sum(w l) = sum w q exactly;
+ *   offset[b] = 32768 * sum(h), what the dot products' unsigned codes w + 128 add to the
+ *   first times 256.
+ * Not contracted, as quantize_row. */
+#define WIDE_Q4_SHIFT 4
+#define WIDE_Q8_SHIFT 8
+/* The largest q8 code: 2^15 - 129, so that quantize_paired_row's high part (q + 128) >> 8
+ * stays a signed byte as well. */
+#define WIDE_Q8_CODE_MAX 32639.0f
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m512i low_bits = _mm512_set1_epi32(15);
+static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row, int is_q4) {
+    const int shift = is_q4 ? WIDE_Q4_SHIFT : WIDE_Q8_SHIFT;
+    const float code_max = is_q4 ? 2047.0f : WIDE_Q8_CODE_MAX;
+    const __m512i low_bits = _mm512_set1_epi32((1 << shift) - 1);
     for (int64_t b = 0; b < k / QK; b++) {
         const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
-        const float d = amax / WIDE_CODE_MAX;
+        const float d = amax / code_max;
         __m512i q[2];
         round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
-        const __m512i q_lo = q[0], q_hi = q[1];
+        const __m512i high[2] = {_mm512_srai_epi32(q[0], shift), _mm512_srai_epi32(q[1], shift)};
         int8_t *codes = row.q + 2 * b * QK;
-        _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_lo, 4)));
-        _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q_hi, 4)));
+        _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(high[0]));
+        _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtepi32_epi8(high[1]));
         _mm_storeu_si128((__m128i *)(codes + 32),
-                         _mm512_cvtepi32_epi8(_mm512_and_si512(q_lo, low_bits)));
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(q[0], low_bits)));
         _mm_storeu_si128((__m128i *)(codes + 48),
-                         _mm512_cvtepi32_epi8(_mm512_and_si512(q_hi, low_bits)));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(q[1], low_bits)));
         row.xd[b] = d;
-        row.xs[b] = d * (float)sum;
-        row.offset[b] = 0;
+        if (is_q4) {
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+            row.xs[b] = d * (float)sum;
+            row.offset[b] = 0;
+        } else {
+            row.xs[b] = 0.0f;
+            row.offset[b] = 32768 * _mm512_reduce_add_epi32(_mm512_add_epi32(high[0], high[1]));
+        }
+    }
+}
+
+/* A q8 weight's wide row (the same codes q as quantize_wide_row's) as two int8 rows, for a
+ * tile of eight rows (group_pair_tiles' pairs): `high` takes h = (q + 128) >> 8 and `low`
+ * l = q - 256 h, both signed bytes, so that 256 h + l = q; both rows' offset[b] is
+ * 128 * sum(q) (the unsigned codes' surplus of 256 h + l), their xd the block's scale. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_paired_row(const float *x, int64_t k, QuantizedRow high,
+                                       QuantizedRow low) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
+        const float d = amax / WIDE_Q8_CODE_MAX;
+        __m512i q[2];
+        round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
+        for (int half = 0; half < 2; half++) {
+            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q[half], _mm512_set1_epi32(128)), 8);
+            const __m512i l = _mm512_sub_epi32(q[half], _mm512_slli_epi32(h, 8));
+            _mm_storeu_si128((__m128i *)(high.q + b * QK + 16 * half), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i *)(low.q + b * QK + 16 * half), _mm512_cvtepi32_epi8(l));
+        }
+        const int32_t offset = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        high.xd[b] = low.xd[b] = d;
+        high.xs[b] = low.xs[b] = 0.0f;
+        high.offset[b] = low.offset[b] = offset;
     }
 }
 
@@ -224,13 +265,25 @@ static inline __attribute__((always_inline)) void group_pair_tile(
     for (int64_t b = 0; b < blocks; b++) {
         __m512i w[8], w16[8];
         fetch_pair_block(codes0, codes1, b, is_q4, w);
-        if (wide) /* wide rows (quantize_wide_row): 16 c against their high parts */
+        if (wide && is_q4) /* wide rows (quantize_wide_row): 16 c against their high parts */
             for (int c = 0; c < 8; c++) w16[c] = _mm512_slli_epi16(w[c], 4);
+        if (wide && !is_q4) /* q8: the signed codes, against the low parts */
+            for (int c = 0; c < 8; c++) w16[c] = _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80));
         const __m512 wd = pair_scales(d0, d1, b);
         const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int32_t *xq = (const int32_t *)(x[r].q + b * QK * (wide ? 2 : 1));
             __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            if (wide && !is_q4) { /* 256 sum((w + 128) h) + sum(l w); offset: the surplus */
+                __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++) {
+                    high = _mm512_dpbusd_epi32(high, w[c], _mm512_set1_epi32(xq[c]));
+                    low = _mm512_dpbusd_epi32(low, _mm512_set1_epi32(xq[8 + c]), w16[c]);
+                }
+                acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
+                                          wd, wm, x[r].xd + b, x[r].xs + b, x[r].offset + b, 0);
+                continue;
+            }
             for (int c = 0; c < 8; c += 2) {
                 if (wide) {
                     even = _mm512_dpbusd_epi32(even, w16[c], _mm512_set1_epi32(xq[c]));
