@@ -395,7 +395,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
 #if defined(FORKLIFT_QUANT_TILES)
     /* Sixteen rows on the tiles (precise rows count twice): at eight a tile is half empty
      * and the dot products win, but for a q8 weight's split rows, two dot products a
-     * block, eight to fifteen rows take one tile of that many. */
+     * block, nine to fifteen rows take one tile of that many. */
     const int tile_rows = wide && !paired && w->m == NULL && active >= SPLIT_TILE_MIN_ROWS &&
                                   active < QUANT_TILE_ROWS
                               ? (int)active

@@ -5,8 +5,9 @@
 #define FORKLIFT_QUANT_MATMUL_AMX_H
 
 #define QUANT_TILE_ROWS 16
-/* The fewest rows a tile of split rows takes (group_pair_split_tiles). */
-#define SPLIT_TILE_MIN_ROWS 8
+/* The fewest rows a tile of split rows takes (group_pair_split_tiles); eight take one tile
+ * as paired rows. */
+#define SPLIT_TILE_MIN_ROWS 9
 
 /* Tile t of rows' scales (rows `tile_rows` t.. of x, tile_rows <= 16) transposed into the
  * t-th TileScales of `all` (each `blocks` * 16 entries long). */
@@ -119,8 +120,9 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
                 for (int r = 0; r < QUANT_TILE_ROWS / 2; r++) {
                     const __m512i high = _mm512_load_si512(done_sums + 32 * r);
                     const __m512i low = _mm512_load_si512(done_sums + 32 * r + 16);
-                    acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
-                                              wd, wm, scales.xd + at + 2 * r, scales.xs + at + 2 * r,
+                    const __m512i dots = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+                    acc[r] = scale_block_sums(acc[r], dots, wd, wm, scales.xd + at + 2 * r,
+                                              scales.xs + at + 2 * r,
                                               scales.offset + at + 2 * r, 0);
                 }
             else
@@ -136,13 +138,13 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
 #undef QUANT_TILE_PRODUCT
 
 /* `tile_rows` split rows (a precise q8 weight's, quantize_wide_row; sixteen, or a step's
- * eight to fifteen) against groups g and g + 1 on AMX-INT8 tiles of that many rows
+ * nine to fifteen) against groups g and g + 1 on AMX-INT8 tiles of that many rows
  * (quant_tiles_configure(QUANT_TILES_SPLIT, tile_rows)): per block a product of the
  * rows' high parts by the signed codes (`tdpbssd`) and one of their low parts (`tdpbusd`),
  * each row's sums then 256 times the first plus the second: group_pair_tile's integers
- * (which take the unsigned codes' surplus off through offset, here 0), scaled by
- * scale_block_sums as there, so the same bits. Pipelined as group_pair_tiles: block b's
- * products run while block b - 1's sums are stored and block b - 2's scaled. */
+ * (which take the unsigned codes' surplus off through offset; signed codes leave none),
+ * scaled in scale_block_sums' steps, so the same bits. Pipelined as group_pair_tiles:
+ * block b's products run while block b - 1's sums are stored and block b - 2's scaled. */
 static inline __attribute__((always_inline)) void group_pair_split_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     int64_t blocks, const QuantizedRow *x, int64_t stride, TileScales scales, float *sums,

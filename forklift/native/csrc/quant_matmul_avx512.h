@@ -163,7 +163,8 @@ static inline void quantize_paired_row(const float *x, int64_t k, QuantizedRow h
         __m512i q[2];
         round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
         for (int half = 0; half < 2; half++) {
-            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q[half], _mm512_set1_epi32(128)), 8);
+            const __m512i rounded = _mm512_add_epi32(q[half], _mm512_set1_epi32(128));
+            const __m512i h = _mm512_srai_epi32(rounded, 8);
             const __m512i l = _mm512_sub_epi32(q[half], _mm512_slli_epi32(h, 8));
             _mm_storeu_si128((__m128i *)(high.q + b * QK + 16 * half), _mm512_cvtepi32_epi8(h));
             _mm_storeu_si128((__m128i *)(low.q + b * QK + 16 * half), _mm512_cvtepi32_epi8(l));
@@ -268,7 +269,8 @@ static inline __attribute__((always_inline)) void group_pair_tile(
         if (wide && is_q4) /* wide rows (quantize_wide_row): 16 c against their high parts */
             for (int c = 0; c < 8; c++) w16[c] = _mm512_slli_epi16(w[c], 4);
         if (wide && !is_q4) /* q8: the signed codes, against the low parts */
-            for (int c = 0; c < 8; c++) w16[c] = _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80));
+            for (int c = 0; c < 8; c++)
+                w16[c] = _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80));
         const __m512 wd = pair_scales(d0, d1, b);
         const __m512 wm = is_q4 ? pair_scales(m0, m1, b) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
