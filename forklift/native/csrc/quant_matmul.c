@@ -11,8 +11,9 @@ int forklift_quant_tiles_available(void) {
 #endif
 }
 
-/* 1 where a precise q4 weight takes each activation row as one row of twelve-bit codes
- * (quantize_wide_row), 0 where as two int8 rows. */
+/* 1 where a precise weight takes each activation row as one wide row of codes
+ * (quantize_wide_row: twelve bits for a q4 weight, sixteen for a q8 one), 0 where as two
+ * int8 rows. */
 int forklift_quant_wide_precise(void) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
     return 1;
