@@ -352,9 +352,9 @@ static inline void quantize_rows(const QuantWeight *w, const float *x, int64_t r
  * values, their codes evenly spaced (quantized_rows_alloc's), and `rest` k floats; a
  * precise weight's rows take two of them (with the paired kernels one wide row over both
  * rows' codes, or a q8 weight's eight rows as high and low rows; elsewhere a second row of
- * what the first's rounding left). The weight's row
- * groups are split among the threads, each block read once for every row. Returns 1 when
- * scratch could not be allocated (nothing is written). */
+ * what the first's rounding left). The weight's row groups are split among the threads,
+ * each block read once for every row. Returns 1 when scratch could not be allocated
+ * (nothing is written). */
 static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_t rows,
                                     QuantizedRow *views, float *rest, float *out,
                                     int num_threads) {

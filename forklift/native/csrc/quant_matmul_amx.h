@@ -120,9 +120,8 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
                 for (int r = 0; r < QUANT_TILE_ROWS / 2; r++) {
                     const __m512i high = _mm512_load_si512(done_sums + 32 * r);
                     const __m512i low = _mm512_load_si512(done_sums + 32 * r + 16);
-                    const __m512i dots = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-                    acc[r] = scale_block_sums(acc[r], dots, wd, wm, scales.xd + at + 2 * r,
-                                              scales.xs + at + 2 * r,
+                    acc[r] = scale_block_sums(acc[r], join_high_low(high, low), wd, wm,
+                                              scales.xd + at + 2 * r, scales.xs + at + 2 * r,
                                               scales.offset + at + 2 * r, 0);
                 }
             else
@@ -143,7 +142,7 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
  * rows' high parts by the signed codes (`tdpbssd`) and one of their low parts (`tdpbusd`),
  * each row's sums then 256 times the first plus the second: group_pair_tile's integers
  * (which take the unsigned codes' surplus off through offset; signed codes leave none),
- * scaled in scale_block_sums' steps, so the same bits. Pipelined as group_pair_tiles:
+ * scaled by scale_block_sums as there, so the same bits. Pipelined as group_pair_tiles:
  * block b's products run while block b - 1's sums are stored and block b - 2's scaled. */
 static inline __attribute__((always_inline)) void group_pair_split_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
@@ -151,6 +150,7 @@ static inline __attribute__((always_inline)) void group_pair_split_tiles(
     const uint8_t *unpacked, int tile_rows) {
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     int32_t block_sums[2][2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
+    const int32_t no_offset = 0; /* signed codes: no surplus to take off */
     __m512 acc[QUANT_TILE_ROWS];
     for (int r = 0; r < QUANT_TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks + 2; b++) {
@@ -193,10 +193,9 @@ static inline __attribute__((always_inline)) void group_pair_split_tiles(
             for (int r = 0; r < tile_rows; r++) {
                 const __m512i high = _mm512_load_si512(done_sums[0] + 16 * r);
                 const __m512i low = _mm512_load_si512(done_sums[1] + 16 * r);
-                /* scale_block_sums' steps, with no offset to take off */
-                acc[r] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low)),
-                    _mm512_mul_ps(wd, _mm512_set1_ps(scales.xd[at + r])), acc[r]);
+                acc[r] = scale_block_sums(acc[r], join_high_low(high, low), wd,
+                                          _mm512_setzero_ps(), scales.xd + at + r,
+                                          scales.xs + at + r, &no_offset, 0);
             }
         }
     }

@@ -98,6 +98,25 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
 #define PAIR_TILE_ROWS 8
 
+/* Block b's wide codes q = round(x / d) into q[0] (values 0-15) and q[1] (16-31); returns
+ * d = max |x| / code_max. Both wide forms round here, so they hold the same codes. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline __attribute__((always_inline)) float round_wide_block(const float *x, int64_t b,
+                                                                    float code_max,
+                                                                    __m512i q[2]) {
+    const float d = _mm512_reduce_max_ps(block_magnitudes(x, b)) / code_max;
+    round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
+    return d;
+}
+
+/* A row's integer sums against its codes' high and low parts joined: 256 times the first
+ * plus the second, sum(w q) for sixteen-bit codes q = 256 h + l. */
+static inline __m512i join_high_low(__m512i high, __m512i low) {
+    return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+}
+
 /* Wide rows (a precise weight's activation rows, whose input carries the outliers that int8
  * rounds to nothing): each block of 32 quantized to more than eight bits, q = round(x / d),
  * and stored as two bytes a value, block b's 64 codes at row.q + 64 b: the high parts
@@ -116,6 +135,7 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
 /* The largest q8 code: 2^15 - 129, so that quantize_paired_row's high part (q + 128) >> 8
  * stays a signed byte as well. */
 #define WIDE_Q8_CODE_MAX 32639.0f
+
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
@@ -124,10 +144,8 @@ static inline void quantize_wide_row(const float *x, int64_t k, QuantizedRow row
     const float code_max = is_q4 ? 2047.0f : WIDE_Q8_CODE_MAX;
     const __m512i low_bits = _mm512_set1_epi32((1 << shift) - 1);
     for (int64_t b = 0; b < k / QK; b++) {
-        const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
-        const float d = amax / code_max;
         __m512i q[2];
-        round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
+        const float d = round_wide_block(x, b, code_max, q);
         const __m512i high[2] = {_mm512_srai_epi32(q[0], shift), _mm512_srai_epi32(q[1], shift)};
         int8_t *codes = row.q + 2 * b * QK;
         _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(high[0]));
@@ -158,10 +176,8 @@ __attribute__((optimize("fp-contract=off")))
 static inline void quantize_paired_row(const float *x, int64_t k, QuantizedRow high,
                                        QuantizedRow low) {
     for (int64_t b = 0; b < k / QK; b++) {
-        const float amax = _mm512_reduce_max_ps(block_magnitudes(x, b));
-        const float d = amax / WIDE_Q8_CODE_MAX;
         __m512i q[2];
-        round_block(x, b, _mm512_set1_ps(block_inverse(d)), q);
+        const float d = round_wide_block(x, b, WIDE_Q8_CODE_MAX, q);
         for (int half = 0; half < 2; half++) {
             const __m512i rounded = _mm512_add_epi32(q[half], _mm512_set1_epi32(128));
             const __m512i h = _mm512_srai_epi32(rounded, 8);
@@ -282,8 +298,8 @@ static inline __attribute__((always_inline)) void group_pair_tile(
                     high = _mm512_dpbusd_epi32(high, w[c], _mm512_set1_epi32(xq[c]));
                     low = _mm512_dpbusd_epi32(low, _mm512_set1_epi32(xq[8 + c]), w16[c]);
                 }
-                acc[r] = scale_block_sums(acc[r], _mm512_add_epi32(_mm512_slli_epi32(high, 8), low),
-                                          wd, wm, x[r].xd + b, x[r].xs + b, x[r].offset + b, 0);
+                acc[r] = scale_block_sums(acc[r], join_high_low(high, low), wd, wm, x[r].xd + b,
+                                          x[r].xs + b, x[r].offset + b, 0);
                 continue;
             }
             for (int c = 0; c < 8; c += 2) {
