@@ -44,6 +44,13 @@ static inline void attention_tiles_configure(void) {
     _tile_loadconfig(&config);
 }
 
+/* Bytes of attend_amx's scratch for a task of up to `span` positions. */
+static inline size_t amx_scratch_bytes(int64_t span, int64_t head_dim) {
+    const size_t elements = (size_t)(2 * span * head_dim + 16 * head_dim + 2 * 16 * span +
+                                     16 * span + 2 * 16 * head_dim + 16 * head_dim + 2 * 256);
+    return (elements * 2 + 63) / 64 * 64;
+}
+
 /* dst row j = src column j for 16 x 16 four-byte elements (rows `src_stride` and
  * `dst_stride` bytes apart): pairs of rows interleaved by element, then by element pair,
  * then the 4 x 4 grid of 128-bit lanes transposed. */
@@ -212,13 +219,14 @@ static inline __attribute__((always_inline)) void value_tiles(
  * live tiles from position `base` (masks: positions any of the task's rows attends to;
  * slots: each position's cache slot, every live tile's dead positions filled with a live
  * one). Leaves each vector's unnormalised sums in acc, its largest score and its total
- * weight. Returns 1 when scratch memory ran out. */
-static inline __attribute__((always_inline)) int attend_amx(
+ * weight. The tiles are configured (attention_tiles_configure) by the caller, once per
+ * thread for all its tasks; `scratch`: amx_scratch_bytes(span, head_dim), 64-byte aligned. */
+static inline __attribute__((always_inline)) void attend_amx(
     const uint16_t *queries, int64_t count, const float *const *query_bias,
     const uint16_t *const *query_masks, int pure, const char *k_head, const char *v_head,
     const int64_t *slots, const uint16_t *masks,
     int64_t tiles, int64_t base, int64_t to, float scale, int64_t head_dim, float *acc,
-    float *max_score, float *total) {
+    float *max_score, float *total, uint16_t *scratch) {
     const int64_t span = 16 * tiles, chunks = head_dim / 32;
     const size_t row_bytes = (size_t)head_dim * 2;
     if (tiles == 0) { /* nothing attended in this range: weights 0 */
@@ -227,16 +235,12 @@ static inline __attribute__((always_inline)) int attend_amx(
             total[j] = 0.0f;
         }
         memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
-        return 0;
+        return;
     }
-    /* keys: each live tile's key rows as B tiles (per 32 dimensions, row k holds dimension
-     * pair k of the sixteen keys), packed once for every block of queries; pairs: value rows
-     * interleaved; block_queries: a last block padded with zeros; scores: [16, span];
-     * weights: [16, span] bf16; sums: [16, head_dim]. */
-    const size_t elements = (size_t)(2 * span * head_dim + 16 * head_dim + 2 * 16 * span +
-                                     16 * span + 2 * 16 * head_dim + 16 * head_dim + 2 * 256);
-    uint16_t *scratch = aligned_alloc(64, (elements * 2 + 63) / 64 * 64);
-    if (scratch == NULL) return 1;
+    /* scratch (amx_scratch_bytes): keys: each live tile's key rows as B tiles (per 32
+     * dimensions, row k holds dimension pair k of the sixteen keys), packed once for every
+     * block of queries; pairs: value rows interleaved; block_queries: a last block padded
+     * with zeros; scores: [16, span]; weights: [16, span] bf16; sums: [16, head_dim]. */
     uint16_t *keys = scratch, *pairs = keys + span * head_dim;
     uint16_t *block_queries = pairs + span * head_dim;
     float *scores = (float *)(block_queries + 16 * head_dim);
@@ -287,7 +291,6 @@ static inline __attribute__((always_inline)) int attend_amx(
                             head_dim, pairs + (i * 8 + k) * 2 * head_dim);
     }
 
-    attention_tiles_configure();
     uint16_t live[tiles + 1];
     for (int64_t first = 0; first < count; first += 16) {
         const int64_t n = count - first < 16 ? count - first : 16;
@@ -362,9 +365,6 @@ static inline __attribute__((always_inline)) int attend_amx(
             _mm512_storeu_ps(acc + first * head_dim + e,
                              _mm512_add_ps(_mm512_loadu_ps(sums + e), _mm512_setzero_ps()));
     }
-    amx_tiles_release();
-    free(scratch);
-    return 0;
 }
 
 #endif

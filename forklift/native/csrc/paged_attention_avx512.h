@@ -237,6 +237,44 @@ static inline __attribute__((always_inline)) void tile_values(
 #include "paged_attention_amx.h"
 #endif
 
+/* Whether a cache of `format` attends on AMX tiles here (paged_attention_amx.h). */
+static inline int attention_on_tiles(int format) {
+#if defined(ATTENTION_AMX)
+    return format == CACHE_BF16 && amx_tiles_usable();
+#else
+    (void)format;
+    return 0;
+#endif
+}
+
+/* One thread's scratch for all its tasks, sized for the largest: attend_range's vectors
+ * (`range`, its layout there) and attend_amx's (`tiles`, on tiles only). Allocated once
+ * per thread and call: a step's decode rows are a task each, and two allocations a task
+ * cost a tenth of an RL rollout's attention. Both parts in one block; free `range`. */
+typedef struct {
+    float *range;
+    uint16_t *tiles;
+} TaskScratch;
+
+/* Up to `count` query vectors over up to `span` positions (a multiple of 16); range NULL
+ * when out of memory. */
+static inline TaskScratch task_scratch_alloc(int64_t count, int64_t span, int64_t head_dim,
+                                             int on_tiles) {
+    const int64_t score_floats = on_tiles ? 0 : count * span;
+    const size_t floats = (size_t)(score_floats + 2 * count * head_dim + 16 * head_dim +
+                                   count * head_dim / 2);
+    const size_t range = (sizeof(float) * floats + sizeof(int64_t) * (size_t)(span + 1) + 63)
+                         / 64 * 64;
+#if defined(ATTENTION_AMX)
+    const size_t tiles = on_tiles ? amx_scratch_bytes(span, head_dim) : 0;
+#else
+    const size_t tiles = 0;
+#endif
+    char *block = aligned_alloc(64, range + tiles + 64);
+    return (TaskScratch){(float *)block, block != NULL && tiles ? (uint16_t *)(block + range)
+                                                                : NULL};
+}
+
 /* attend_range's scores, weights and value sums on vectors (scores: [count, span] scratch;
  * keys: [16, head_dim] scratch). Leaves each vector's unnormalised sums in acc, its largest
  * score and its total weight. */
@@ -335,13 +373,13 @@ static inline __attribute__((always_inline)) void attend_vectors(
  * positions [from, to) (from a multiple of 16). parts == NULL: the normalised output into
  * `out` ([rows, heads, D], fp32 or bf16 by io_bf16); else each query vector's partial
  * result for chunk `chunk` into parts, [rows, heads, num_chunks, PART_FLOATS]. q: [rows,
- * heads, D], fp32 or bf16 by io_bf16. Returns 1 when scratch memory ran out. */
-static inline __attribute__((always_inline)) int attend_range(
+ * heads, D], fp32 or bf16 by io_bf16. `scratch`: the thread's (task_scratch_alloc). */
+static inline __attribute__((always_inline)) void attend_range(
     const void *q, const void *key_cache, const void *value_cache, const int64_t *blocks,
     const float *bias, void *out, int64_t first_row, int64_t num_rows, int64_t kv_head,
     int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
     int64_t table_width, float scale, int io_bf16, int64_t from, int64_t to, float *parts,
-    int64_t chunk, int64_t num_chunks, int format, RowMasks row_masks) {
+    int64_t chunk, int64_t num_chunks, int format, RowMasks row_masks, TaskScratch scratch) {
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     if (to > width) to = width;
@@ -376,18 +414,10 @@ static inline __attribute__((always_inline)) int attend_range(
     const int64_t base = from + 16 * (lo < 0 ? 0 : lo);
     const uint16_t *masks = all_masks + (lo < 0 ? 0 : lo);
 
-#if defined(ATTENTION_AMX)
-    const int on_tiles = format == CACHE_BF16 && amx_tiles_usable();
-#else
-    const int on_tiles = 0;
-#endif
+    const int on_tiles = attention_on_tiles(format);
     /* The vector form's scores (the tiles keep a block's at a time in their own scratch). */
     const int64_t score_floats = on_tiles ? 0 : count * span;
-    const size_t floats = (size_t)(score_floats + 2 * count * head_dim + 16 * head_dim +
-                                   count * head_dim / 2);
-    float *buffer = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(span + 1));
-    if (buffer == NULL) return 1;
-    float *scores = buffer;                      /* [count, span] */
+    float *scores = scratch.range;               /* [count, span] */
     float *queries = scores + score_floats;      /* [count, D] */
     float *acc = queries + count * head_dim;  /* [count, D] */
     float *keys = acc + count * head_dim;     /* [16, D] */
@@ -431,12 +461,9 @@ static inline __attribute__((always_inline)) int attend_range(
         const uint16_t *query_masks[count];
         for (int64_t j = 0; j < count; j++)
             query_masks[j] = row_masks.masks + vector_row[j] * row_masks.stride + base / 16;
-        if (attend_amx(queries_bf16, count, query_bias, query_masks, row_masks.pure, k_head,
-                       v_head, slots, masks, live_tiles, base, to, scale, head_dim, acc,
-                       max_score, total)) {
-            free(buffer);
-            return 1;
-        }
+        attend_amx(queries_bf16, count, query_bias, query_masks, row_masks.pure, k_head,
+                   v_head, slots, masks, live_tiles, base, to, scale, head_dim, acc, max_score,
+                   total, scratch.tiles);
     } else
 #endif
         attend_vectors(queries, queries_bf16, count, query_bias, k_head, v_head, slots, masks,
@@ -456,8 +483,6 @@ static inline __attribute__((always_inline)) int attend_range(
         char *out_row = (char *)out + (size_t)((row * heads + head) * head_dim) * io_elem;
         store_normalised(out_row, aj, total[j], head_dim, io_bf16);
     }
-    free(buffer);
-    return 0;
 }
 
 /* One query vector's output from its chunks' partial results (parts[c * part_stride], in
@@ -484,23 +509,25 @@ static inline void merge_chunks(const float *parts, int64_t chunks, int64_t part
 }
 
 /* attend_range with the head size (64, 128 or 256) and the cache format constants. */
-static inline int attend_chunk(const void *q, const void *key_cache, const void *value_cache,
-                               const int64_t *blocks, const float *bias, void *out,
-                               int64_t first_row, int64_t num_rows, int64_t kv_head,
-                               int64_t heads, int64_t kv_heads, int64_t num_blocks,
-                               int64_t block_size, int64_t head_dim, int64_t table_width,
-                               float scale, int io_bf16, int64_t chunk, int64_t num_chunks,
-                               float *parts, int format, RowMasks row_masks) {
+static inline void attend_chunk(const void *q, const void *key_cache, const void *value_cache,
+                                const int64_t *blocks, const float *bias, void *out,
+                                int64_t first_row, int64_t num_rows, int64_t kv_head,
+                                int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                                int64_t block_size, int64_t head_dim, int64_t table_width,
+                                float scale, int io_bf16, int64_t chunk, int64_t num_chunks,
+                                float *parts, int format, RowMasks row_masks,
+                                TaskScratch scratch) {
     const int64_t from = chunk * ATTENTION_CHUNK, to = from + ATTENTION_CHUNK;
 #define ATTEND_CHUNK(size, form)                                                              \
     attend_range(q, key_cache, value_cache, blocks, bias, out, first_row, num_rows, kv_head,  \
                  heads, kv_heads, num_blocks, block_size, size, table_width, scale, io_bf16,  \
-                 from, to, parts, chunk, num_chunks, form, row_masks)
+                 from, to, parts, chunk, num_chunks, form, row_masks, scratch)
 #define ATTEND_SIZES(form)                                                                    \
     do {                                                                                      \
-        if (head_dim == 64) return ATTEND_CHUNK(64, form);                                    \
-        if (head_dim == 128) return ATTEND_CHUNK(128, form);                                  \
-        return ATTEND_CHUNK(256, form);                                                       \
+        if (head_dim == 64) ATTEND_CHUNK(64, form);                                           \
+        else if (head_dim == 128) ATTEND_CHUNK(128, form);                                    \
+        else ATTEND_CHUNK(256, form);                                                         \
+        return;                                                                               \
     } while (0)
     if (format == CACHE_INT8) ATTEND_SIZES(CACHE_INT8);
     if (format == CACHE_FP8_E4M3) ATTEND_SIZES(CACHE_FP8_E4M3);
@@ -548,6 +575,12 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
     int impure = 0;
     const int64_t tasks = pieces * kv_heads * num_chunks;
     const size_t io_elem = io_bf16 ? 2 : 4;
+    /* The largest task: the longest piece's vectors over a chunk's positions. */
+    int64_t max_rows = 0;
+    for (int64_t i = 0; i < pieces; i++) max_rows = length[i] > max_rows ? length[i] : max_rows;
+    const int64_t max_count = max_rows * (heads / kv_heads);
+    const int64_t max_span = (width < ATTENTION_CHUNK ? width + 15 : ATTENTION_CHUNK) / 16 * 16;
+    const int on_tiles = attention_on_tiles(format);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -560,15 +593,26 @@ static int tiled_attention(const void *q, const void *key_cache, const void *val
         /* (the loop's barrier: every row's masks and `impure` are in) */
         RowMasks masks = row_masks;
         masks.pure = !impure;
+        /* Scratch and the tiles' configuration once per thread, for all its tasks. */
+        TaskScratch scratch = task_scratch_alloc(max_count, max_span, head_dim, on_tiles);
+        if (scratch.range == NULL) failed = 1;
+#if defined(ATTENTION_AMX)
+        if (on_tiles) attention_tiles_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
+            if (scratch.range == NULL) continue;
             const int64_t chunk = task % num_chunks, rest = task / num_chunks;
             const int64_t piece = rest / kv_heads, kv_head = rest % kv_heads;
-            failed |= attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
-                                   length[piece], kv_head, heads, kv_heads, num_blocks,
-                                   block_size, head_dim, table_width, scale, io_bf16, chunk,
-                                   num_chunks, parts, format, masks);
+            attend_chunk(q, key_cache, value_cache, blocks, bias, out, first[piece],
+                         length[piece], kv_head, heads, kv_heads, num_blocks, block_size,
+                         head_dim, table_width, scale, io_bf16, chunk, num_chunks, parts,
+                         format, masks, scratch);
         }
+#if defined(ATTENTION_AMX)
+        if (on_tiles) amx_tiles_release();
+#endif
+        free(scratch.range);
         if (parts != NULL) {
 #pragma omp for schedule(static)
             for (int64_t v = 0; v < vectors; v++)
