@@ -214,6 +214,55 @@ static inline __attribute__((always_inline)) void value_tiles(
     _tile_stored(3, sums + first + 48, row_bytes);
 }
 
+/* Tile i's scores of a block of n query vectors (n <= 16) with the sixteen key rows as the
+ * A tile where they lie (`key_rows`, rows `row_bytes` apart) against the block's queries
+ * transposed into bf16 pairs (`transposed`, a B tile per 32 dimensions): the 16 x 16
+ * result (scores_t) transposed into a row of sixteen per query (`scores`, rows `span`
+ * apart), or each query's column gathered where few. */
+static inline __attribute__((always_inline)) void key_tile_scores(
+    const char *key_rows, const uint16_t *transposed, int64_t chunks, size_t row_bytes,
+    float *scores_t, float *scores, int64_t i, int64_t span, int64_t n) {
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96,
+                                            80, 64, 48, 32, 16, 0);
+    _tile_zero(0);
+    for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(4, key_rows + 64 * c, row_bytes);
+        _tile_loadd(5, transposed + 512 * c, 64);
+        _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, scores_t, 64);
+    if (n > 4) /* query j's scores: column j */
+        transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i), (size_t)span * 4);
+    else
+        for (int64_t j = 0; j < n; j++)
+            _mm512_storeu_ps(scores + j * span + 16 * i,
+                             _mm512_i32gather_ps(column, scores_t + j, 4));
+}
+
+/* The block of query vectors from `first` (n <= 16) ready for its products: padded with
+ * zeros to sixteen (and the padding's weights zeroed), the tiles any of its vectors attends
+ * to in `live`. Returns the block's queries. */
+static inline __attribute__((always_inline)) const uint16_t *prepare_query_block(
+    const uint16_t *queries, int64_t first, int64_t n, int64_t head_dim,
+    const uint16_t *const *query_masks, const uint16_t *masks, int64_t tiles, int64_t span,
+    uint16_t *block_queries, uint16_t *weights, uint16_t *live) {
+    const size_t row_bytes = (size_t)head_dim * 2;
+    const uint16_t *block = queries + first * head_dim;
+    if (n < 16) {
+        memcpy(block_queries, block, (size_t)n * row_bytes);
+        memset(block_queries + n * head_dim, 0, (size_t)(16 - n) * row_bytes);
+        memset(weights + n * span, 0, (size_t)(16 - n) * span * 2);
+        block = block_queries;
+    }
+    for (int64_t i = 0; i < tiles; i++) {
+        unsigned mask = 0;
+        if (masks[i] != 0)
+            for (int64_t j = 0; j < n; j++) mask |= query_masks[first + j][i];
+        live[i] = (uint16_t)mask;
+    }
+    return block;
+}
+
 /* attend_range's scores, weights and value sums on tiles for the task's `count` query
  * vectors (queries: [count, head_dim] bf16; query_bias[j]: vector j's bias row), over the
  * live tiles from position `base` (masks: positions any of the task's rows attends to;
@@ -256,6 +305,20 @@ static inline __attribute__((always_inline)) void attend_amx(
     const char *key_tiles[tiles + 1];
     uint16_t *transposed = (uint16_t *)(sums + 16 * head_dim);
     float *scores_t = (float *)(transposed + 16 * head_dim);
+    /* One block (a decode row's vectors): each tile's scores as soon as its keys are at
+     * hand, inside the pass that reads the cache, so the products run while later rows are
+     * still on their way from memory (the key rows then come TILE_AHEAD tiles ahead into
+     * L1, as the value rows do). */
+    const int scores_in_pass = count <= 16;
+    uint16_t live[tiles + 1];
+    const uint16_t *first_block = NULL;
+    if (scores_in_pass) {
+        first_block = prepare_query_block(queries, 0, count, head_dim, query_masks, masks,
+                                          tiles, span, block_queries, weights, live);
+        for (int64_t c = 0; c < chunks; c++)
+            transpose16((const char *)(first_block + 32 * c), row_bytes,
+                        (char *)(transposed + 512 * c), 64);
+    }
 
     for (int64_t i = 0; i < tiles; i++) {
         if (masks[i] == 0) { /* finite rows for a live neighbour's product (value_tiles) */
@@ -266,9 +329,13 @@ static inline __attribute__((always_inline)) void attend_amx(
         /* A decode row's cache rows come from memory: the value rows TILE_AHEAD tiles on
          * into L1 for this loop, the key rows into L2 for the score products after it. */
         if (i + TILE_AHEAD < tiles && masks[i + TILE_AHEAD] != 0)
-            for (int p = 0; p < 16; p++)
+            for (int p = 0; p < 16; p++) {
                 prefetch_row(v_head, tile_slots[16 * TILE_AHEAD + p], row_bytes);
-        for (int p = 0; p < 16; p++) prefetch_row_l2(k_head, tile_slots[p], row_bytes);
+                if (scores_in_pass)
+                    prefetch_row(k_head, tile_slots[16 * TILE_AHEAD + p], row_bytes);
+            }
+        if (!scores_in_pass)
+            for (int p = 0; p < 16; p++) prefetch_row_l2(k_head, tile_slots[p], row_bytes);
         int consecutive = 1;
         for (int p = 1; p < 16; p++) consecutive &= tile_slots[p] == tile_slots[0] + p;
         const char *key_rows = k_head + (size_t)tile_slots[0] * row_bytes;
@@ -285,31 +352,25 @@ static inline __attribute__((always_inline)) void attend_amx(
                             (char *)(keys + (i * chunks + c) * 512), 64);
         else
             key_tiles[i] = key_rows;
+        if (scores_in_pass && live[i] != 0)
+            key_tile_scores(key_rows, transposed, chunks, row_bytes, scores_t, scores, i, span,
+                            count);
         for (int k = 0; k < 8; k++)
             interleave_rows((const uint16_t *)(v_head + (size_t)tile_slots[2 * k] * row_bytes),
                             (const uint16_t *)(v_head + (size_t)tile_slots[2 * k + 1] * row_bytes),
                             head_dim, pairs + (i * 8 + k) * 2 * head_dim);
     }
 
-    uint16_t live[tiles + 1];
     for (int64_t first = 0; first < count; first += 16) {
         const int64_t n = count - first < 16 ? count - first : 16;
-        const uint16_t *block = queries + first * head_dim;
-        if (n < 16) {
-            memcpy(block_queries, block, (size_t)n * row_bytes);
-            memset(block_queries + n * head_dim, 0, (size_t)(16 - n) * row_bytes);
-            memset(weights + n * span, 0, (size_t)(16 - n) * span * 2);
-            block = block_queries;
-        }
-        /* The tiles any of the block's vectors attends to. */
-        for (int64_t i = 0; i < tiles; i++) {
-            unsigned mask = 0;
-            if (masks[i] != 0)
-                for (int64_t j = 0; j < n; j++) mask |= query_masks[first + j][i];
-            live[i] = (uint16_t)mask;
-        }
-
-        if (pack_keys) {
+        const uint16_t *block =
+            scores_in_pass ? first_block
+                           : prepare_query_block(queries, first, n, head_dim, query_masks,
+                                                 masks, tiles, span, block_queries, weights,
+                                                 live);
+        if (scores_in_pass) {
+            /* the scores are in place (the pass above) */
+        } else if (pack_keys) {
             /* The block's queries (A) against each live tile's packed keys (B): a row of
              * sixteen positions per query, stored in place. */
             for (int64_t i = 0; i < tiles; i++) {
@@ -326,25 +387,10 @@ static inline __attribute__((always_inline)) void attend_amx(
             for (int64_t c = 0; c < chunks; c++)
                 transpose16((const char *)(block + 32 * c), row_bytes,
                             (char *)(transposed + 512 * c), 64);
-            const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112,
-                                                    96, 80, 64, 48, 32, 16, 0);
-            for (int64_t i = 0; i < tiles; i++) {
-                if (live[i] == 0) continue;
-                _tile_zero(0);
-                for (int64_t c = 0; c < chunks; c++) {
-                    _tile_loadd(4, key_tiles[i] + 64 * c, row_bytes);
-                    _tile_loadd(5, transposed + 512 * c, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                }
-                _tile_stored(0, scores_t, 64);
-                if (n > 4) /* query j's scores: column j */
-                    transpose16((const char *)scores_t, 64, (char *)(scores + 16 * i),
-                                (size_t)span * 4);
-                else
-                    for (int64_t j = 0; j < n; j++)
-                        _mm512_storeu_ps(scores + j * span + 16 * i,
-                                         _mm512_i32gather_ps(column, scores_t + j, 4));
-            }
+            for (int64_t i = 0; i < tiles; i++)
+                if (live[i] != 0)
+                    key_tile_scores(key_tiles[i], transposed, chunks, row_bytes, scores_t,
+                                    scores, i, span, n);
         }
 
         for (int64_t j = 0; j < n; j++)
