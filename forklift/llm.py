@@ -145,8 +145,8 @@ class LLM:
         start, generated = time.perf_counter(), 0
         try:
             while any(r is None for r in results):
-                for output in engine.step():
-                    if output.request_id in order and output.finished:
+                for output in engine.step(finished_only=True):
+                    if output.request_id in order:
                         results[order[output.request_id]] = output
                         generated += sum(len(o.token_ids) for o in output.outputs)
                         bar.update(1)

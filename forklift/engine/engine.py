@@ -213,8 +213,11 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that advanced or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that advanced or finished
+        (with `finished_only`, for those that finished: a caller that reads final outputs
+        only, as `LLM.generate` does, skips copying every running request's tokens, text
+        and logprobs each step)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -269,7 +272,11 @@ class LLMEngine:
         if self.speculator.proposer is not None:
             self.speculator.propose()
         self._record_step(sched, now, time.perf_counter() - started, emitted)
-        return [self._emit(parent) for parent in touched.values()]
+        return [
+            self._emit(parent)
+            for parent in touched.values()
+            if parent.finished or not finished_only
+        ]
 
     def _siblings(self, sequence_id: str) -> list[str]:
         """The ids of every sample of the request `sequence_id` belongs to."""

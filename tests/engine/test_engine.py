@@ -366,3 +366,39 @@ def test_stop_strings_wait_for_min_tokens(llm):
     # The word at token 2 is kept; only an occurrence after the 4th token could stop it.
     assert held_text.split(" ")[:2] == words[:2]
     assert len(held[0].outputs[0].token_ids) >= 4
+
+
+def test_finished_only_steps_return_just_the_final_outputs(llm):
+    """`step(finished_only=True)` (what `LLM.generate` runs) builds an output only for the
+    requests that finished in it, and those equal the outputs an ordinary step returns."""
+    engine = llm.llm_engine
+    prompts = random_prompts(3, seed=7)
+    lengths = (3, 9, 17)  # three requests finishing at three different steps
+    outputs: dict[str, dict[bool, object]] = {}
+    for finished_only in (False, True):
+        ids = [
+            engine.add_request(
+                None,
+                {"prompt_token_ids": p},
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1),
+            )
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        while engine.has_unfinished_requests():
+            for output in engine.step(finished_only=finished_only):
+                if finished_only:
+                    assert output.finished
+                if output.finished:
+                    index = ids.index(output.request_id)
+                    outputs.setdefault(str(index), {})[finished_only] = output
+    assert len(outputs) == 3
+    for pair in outputs.values():
+        every, final = pair[False], pair[True]
+        assert final.outputs[0].token_ids == every.outputs[0].token_ids
+        assert final.outputs[0].text == every.outputs[0].text
+        # The second run reads its prompts from the prefix cache: the same tokens, logprobs
+        # within float rounding.
+        for got, want in zip(final.outputs[0].logprobs, every.outputs[0].logprobs, strict=True):
+            assert got.keys() == want.keys()
+            for token, logprob in got.items():
+                assert logprob.logprob == pytest.approx(want[token].logprob, abs=1e-4)
