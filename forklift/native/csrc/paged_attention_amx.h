@@ -327,7 +327,8 @@ static inline __attribute__((always_inline)) void attend_amx(
         }
         const int64_t *tile_slots = slots + 16 * i;
         /* A decode row's cache rows come from memory: the value rows TILE_AHEAD tiles on
-         * into L1 for this loop, the key rows into L2 for the score products after it. */
+         * into L1 for this loop; the key rows too where this loop takes the scores, else
+         * into L2 for the score products after it. */
         if (i + TILE_AHEAD < tiles && masks[i + TILE_AHEAD] != 0)
             for (int p = 0; p < 16; p++) {
                 prefetch_row(v_head, tile_slots[16 * TILE_AHEAD + p], row_bytes);
