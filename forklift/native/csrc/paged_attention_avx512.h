@@ -270,7 +270,7 @@ static inline TaskScratch task_scratch_alloc(int64_t count, int64_t span, int64_
 #else
     const size_t tiles = 0;
 #endif
-    char *block = aligned_alloc(64, range + tiles + 64);
+    char *block = aligned_alloc(64, range + tiles); /* both multiples of 64 */
     return (TaskScratch){(float *)block, block != NULL && tiles ? (uint16_t *)(block + range)
                                                                 : NULL};
 }
