@@ -36,6 +36,28 @@ static inline __attribute__((always_inline)) void group_tile(
                                 : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+#if !defined(FORKLIFT_HAS_VNNI_256)
+            if (is_q4) {
+                /* q4 codes are at most 15, so each 16-bit pair sum of vpmaddubsw is at most
+                 * 2 * 15 * 127 = 3,810 in size and a block's eight add up to 30,480: they
+                 * sum exactly in 16 bits, widened once per block (the int32 sums, and so the
+                 * bits, of dot_accumulate's 24 instructions, in 16). */
+                __m256i even16 = _mm256_setzero_si256(), odd16 = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c += 2) {
+                    even16 = _mm256_add_epi16(
+                        even16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xq[c])));
+                    odd16 = _mm256_add_epi16(
+                        odd16, _mm256_maddubs_epi16(w[c + 1], _mm256_set1_epi32(xq[c + 1])));
+                }
+                const __m256i dots =
+                    _mm256_madd_epi16(_mm256_add_epi16(even16, odd16), _mm256_set1_epi16(1));
+                const __m256 total = _mm256_cvtepi32_ps(dots);
+                acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])),
+                                         acc[r]);
+                offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
+                continue;
+            }
+#endif
             __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
             for (int c = 0; c < 8; c += 2) {
                 __m256i x0 = _mm256_set1_epi32(xq[c]), x1 = _mm256_set1_epi32(xq[c + 1]);
