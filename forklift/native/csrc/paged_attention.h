@@ -324,6 +324,47 @@ static inline __attribute__((always_inline)) void accumulate_values(
         memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
 }
 
+/* Live positions whose fp32 value rows (64 values of each: one slice) stay in L1 while every
+ * query vector of a task reads them. */
+#define FP32_VALUE_CHUNK 64
+
+/* acc[j, :] = sum_t p[j, t] * V[t] for all `count` vectors over the live positions, V an fp32
+ * cache of head_dim a multiple of 64. Chunk by chunk of live positions, each vector's sums
+ * for a 64-value slice stay in eight 8-lane registers across the chunk: added onto their
+ * row of acc one position at a time, in position order, they cost a load and a store per
+ * product and the stores bound the pass. Every sum still takes its products in position
+ * order, fused as before, so the same bits. */
+static inline __attribute__((always_inline)) void accumulate_fp32_values(
+    float *acc, const float *scores, const char *v_head, const int64_t *slots,
+    const int64_t *live, int64_t num_live, int64_t width, int64_t count, int64_t head_dim) {
+    const size_t row_bytes = (size_t)head_dim * sizeof(float);
+    memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
+    for (int64_t c0 = 0; c0 < num_live; c0 += FP32_VALUE_CHUNK) {
+        const int64_t c1 = c0 + FP32_VALUE_CHUNK < num_live ? c0 + FP32_VALUE_CHUNK : num_live;
+        for (int64_t i = c1; i < c1 + FP32_VALUE_CHUNK && i < num_live; i++)
+            prefetch_row(v_head, slots[live[i]], row_bytes);
+        for (int64_t j = 0; j < count; j++) {
+            const float *pj = scores + j * width;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+                float *aj = acc + j * head_dim + d0;
+                float8_vector sums[8];
+                memcpy(sums, aj, sizeof sums);
+                for (int64_t i = c0; i < c1; i++) {
+                    const int64_t t = live[i];
+                    const float *row = (const float *)(v_head + (size_t)slots[t] * row_bytes) + d0;
+                    const float p = pj[t];
+                    for (int c = 0; c < 8; c++) {
+                        float8_vector v;
+                        memcpy(&v, row + 8 * c, sizeof v);
+                        sums[c] += p * v;
+                    }
+                }
+                memcpy(aj, sums, sizeof sums);
+            }
+        }
+    }
+}
+
 /* A query vector's output row: its weighted sum of values over its total weight (zeros
  * where it attends nothing), stored as fp32 or bf16. */
 static inline void store_normalised(void *out_row, const float *sums, float total,
@@ -521,6 +562,9 @@ static inline __attribute__((always_inline)) int attend_rows(
                 accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
                                   head_dim, per_pass, CACHE_BF16);
         }
+    } else if (format == CACHE_FP32 && head_dim % 64 == 0) {
+        accumulate_fp32_values(acc, scores, v_head, slots, live, num_live, width, count,
+                               head_dim);
     } else {
         float *row = keys;
         memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
