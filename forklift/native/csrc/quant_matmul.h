@@ -76,7 +76,7 @@ static inline float block_inverse(float d) {
 }
 
 /* This build's kernels, each from the widest instruction set that has one:
- * - quantize_row (an activation row into int8 blocks): AVX-512, else plain C;
+ * - quantize_row (an activation row into int8 blocks): AVX-512, AVX2, else plain C;
  * - group_tile (eight outputs against up to four rows): AVX2 (also AVX-512's), else plain C;
  * - group pairs (FORKLIFT_PAIRED_GROUPS, AVX-512 VNNI) and AMX-INT8 tiles on top of them
  *   (FORKLIFT_QUANT_TILES). */

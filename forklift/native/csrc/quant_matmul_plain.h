@@ -5,7 +5,7 @@
 #ifndef FORKLIFT_QUANT_MATMUL_PLAIN_H
 #define FORKLIFT_QUANT_MATMUL_PLAIN_H
 
-#if !defined(FORKLIFT_ISA_AVX512)
+#if !defined(FORKLIFT_ISA_AVX512) && !defined(FORKLIFT_ISA_AVX2)
 /* Row x's blocks into `row` (codes, scales, sums), one value at a time. No fused
  * multiply-add in here: rounding x * inverse before adding the rounding constant is what
  * keeps the codes those of a plain round(x / d) (clang fuses only within one expression,
