@@ -1,6 +1,6 @@
 /* The quantized matmul's kernels in plain C (quant_matmul.h has the layout), for what this
  * build's instruction set has no kernel of its own: activation rows quantized a value at a
- * time below AVX-512, eight-output groups below AVX2. Each gives its vector forms' results
+ * time below AVX2, eight-output groups below AVX2. Each gives its vector forms' results
  * bit for bit. */
 #ifndef FORKLIFT_QUANT_MATMUL_PLAIN_H
 #define FORKLIFT_QUANT_MATMUL_PLAIN_H
