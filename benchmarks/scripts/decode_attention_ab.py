@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from results import command_line, write_results
-from revision_build import CSRC, ROOT, build_library, checkout_sources
+from revision_build import ROOT, step_libraries
 
 from forklift import LLM, SamplingParams
 from forklift.bench.report import cpu_flags
@@ -117,11 +117,7 @@ def main() -> None:
     }
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        base = checkout_sources(revision, Path(scratch) / "base")
-        libraries = {
-            revision: build_library(base, "decode_step", Path(scratch) / "base.so"),
-            "this tree": build_library(ROOT / CSRC, "decode_step", Path(scratch) / "tree.so"),
-        }
+        libraries = step_libraries(revision, Path(scratch))
         for label, make in workloads.items():
             llm, measure = make()
             steps = {name: NativeDecodeStep(library) for name, library in libraries.items()}

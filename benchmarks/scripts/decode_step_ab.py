@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from results import command_line, write_results
-from revision_build import CSRC, ROOT, build_library, checkout_sources
+from revision_build import ROOT, step_libraries
 
 from forklift.bench.decode import decode_step_budget, prefill_steps, time_pure_decode
 from forklift.bench.report import cpu_flags
@@ -40,15 +40,8 @@ def main() -> None:
     runner = llm.llm_engine.runner
     assert runner.native_step is not None, "the native step does not run here"
     with tempfile.TemporaryDirectory() as scratch:
-        base = checkout_sources(revision, Path(scratch) / "base")
-        steps = {
-            revision: NativeDecodeStep(
-                build_library(base, "decode_step", Path(scratch) / "base.so")
-            ),
-            "this tree": NativeDecodeStep(
-                build_library(ROOT / CSRC, "decode_step", Path(scratch) / "tree.so")
-            ),
-        }
+        libraries = step_libraries(revision, Path(scratch))
+        steps = {name: NativeDecodeStep(library) for name, library in libraries.items()}
         rows = []
         for batch in BATCHES:
             times: dict[str, list[float]] = {name: [] for name in steps}

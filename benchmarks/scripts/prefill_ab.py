@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from results import command_line, write_results
-from revision_build import CSRC, ROOT, build_library, checkout_sources
+from revision_build import ROOT, step_libraries
 
 from forklift import LLM, SamplingParams
 from forklift.bench.report import cpu_flags
@@ -89,11 +89,7 @@ def main() -> None:
         models["bf16 directory"] = str(args.bf16_dir)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        base = checkout_sources(revision, Path(scratch) / "base")
-        libraries = {
-            revision: build_library(base, "decode_step", Path(scratch) / "base.so"),
-            "this tree": build_library(ROOT / CSRC, "decode_step", Path(scratch) / "tree.so"),
-        }
+        libraries = step_libraries(revision, Path(scratch))
         for label, model in models.items():
             steps = {name: NativeDecodeStep(library) for name, library in libraries.items()}
             for row in measure_model(model, steps):

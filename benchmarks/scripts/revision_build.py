@@ -63,6 +63,16 @@ def build_library(
     return ctypes.CDLL(str(target))
 
 
+def step_libraries(revision: str, scratch: Path) -> dict[str, ctypes.CDLL]:
+    """The native step library built from `revision`'s sources and from this tree's, keyed
+    by the revision and by "this tree" (sources and libraries written into `scratch`)."""
+    base = checkout_sources(revision, scratch / "base")
+    return {
+        revision: build_library(base, "decode_step", scratch / "base.so"),
+        "this tree": build_library(ROOT / CSRC, "decode_step", scratch / "tree.so"),
+    }
+
+
 def run_in_tree(tree: Path, code: str, *arguments: str) -> dict:
     """`python -c code arguments` with `tree` first on PYTHONPATH (and as the working
     folder): the JSON object the code prints on its line starting "RESULT "."""
