@@ -213,6 +213,29 @@ def test_long_contexts_split_into_chunks_match_the_reference(target_kernel, bloc
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp32_caches_past_one_value_chunk_match_the_reference(target_kernel, head_dim):
+    """An fp32 cache's values are summed in registers over chunks of 64 live positions:
+    contexts of one position, exactly one chunk, one past it and several chunks (some
+    masked at the start by a window) match the reference, and a query vector's result is
+    the same bits with or without the vectors beside it."""
+    gen = torch.Generator().manual_seed(head_dim)
+    kv_heads, group, block_size, num_blocks = 2, 3, 4, 512
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=gen)
+    value_cache = torch.randn(shape, generator=gen)
+    lengths = torch.tensor([1, 64, 65, 300])
+    blocks, bias, valid = paged_tables(gen, lengths, block_size, num_blocks, 150)
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    together = target_kernel(q, key_cache, value_cache, blocks, bias, scale)
+    want = paged_attention_reference(q, key_cache, value_cache, blocks, valid, scale)
+    torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
+    alone = target_kernel(q[:, :1].contiguous(), key_cache[:1].contiguous(),
+                          value_cache[:1].contiguous(), blocks, bias, scale)  # fmt: skip
+    assert torch.equal(alone, together[:, :head_dim])
+
+
 def test_a_rows_result_does_not_depend_on_how_far_other_tables_reach(target_kernel):
     """A short row alone (one chunk, written directly) and beside a long one (its table
     padded to three chunks, merged): the same bits."""
