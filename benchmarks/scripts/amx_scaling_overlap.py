@@ -12,46 +12,24 @@ Run: .venv/bin/python benchmarks/scripts/amx_scaling_overlap.py [out_dir]
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from c_harness import compiled
 from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
-from forklift.cpu import native_arch_flags
-from forklift.native.build import find_compiler
 
 SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
 #define K 576
 #define BLOCKS (K / 32)
 #define ROWS 512
 #define PAIRS 192
 
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
 /* Tiles 0, 1: a block's sums; 2, 3: 16 rows x 32 codes; 4, 5: 8 x 64 bytes of weight codes. */
 static void configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) config = {.palette = 1};
+    TileConfig config = {.palette = 1};
     for (int t = 0; t < 2; t++) {
         config.colsb[t] = 64, config.rows[t] = 16;
         config.colsb[2 + t] = 32, config.rows[2 + t] = 16;
@@ -202,24 +180,10 @@ MODES = {
 def main() -> None:
     out_dir = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "benchmarks"
     assert "amx_int8" in cpu_flags(), "a measurement for CPUs with AMX"
-    compiler = find_compiler()
-    assert compiler is not None, "no C compiler"
     results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        source, program = Path(scratch) / "overlap.c", Path(scratch) / "overlap"
-        source.write_text(SOURCE)
-        subprocess.run([compiler, "-O3", *native_arch_flags(), "-o", str(program), str(source)],
-                       check=True)  # fmt: skip
+    with compiled(SOURCE, "overlap", "-O3") as run:
         for mode, name in MODES.items():
-            command = [str(program), str(mode)]
-            runs = [
-                float(
-                    subprocess.run(
-                        command, check=True, capture_output=True, text=True
-                    ).stdout.split()[0]
-                )
-                for _ in range(3)
-            ]
+            runs = [run(mode) for _ in range(3)]
             results.append({"mode": mode, "what": name, "ns_per_block": min(runs), "runs": runs})
             print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "k": 576, "rows": 512, "results": results}

@@ -12,44 +12,22 @@ Run: .venv/bin/python benchmarks/scripts/amx_streaming.py [out_dir]
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from c_harness import compiled
 from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
-from forklift.cpu import native_arch_flags
-from forklift.native.build import find_compiler
 
 SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
 int main(int argc, char **argv) {
     /* 0: tile loads, 1: prefetch only, 2: copy via L1, 3: no weights (the products alone) */
     const int mode = atoi(argv[1]);
     const int passes = atoi(argv[2]); /* 2 x 2 product passes per pair of weight tiles */
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) config = {.palette = 1};
+    TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
@@ -115,19 +93,11 @@ PASSES = (0, 1, 2, 4)  # 2 x 2 passes per pair of tiles: 2 passes = 4 products p
 def main() -> None:
     out_dir = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "benchmarks"
     assert "amx_bf16" in cpu_flags(), "a measurement for CPUs with AMX"
-    compiler = find_compiler()
-    assert compiler is not None, "no C compiler"
     results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        source, program = Path(scratch) / "streaming.c", Path(scratch) / "streaming"
-        source.write_text(SOURCE)
-        subprocess.run([compiler, "-O2", *native_arch_flags(), "-o", str(program), str(source)],
-                       check=True)  # fmt: skip
+    with compiled(SOURCE, "streaming", "-O2") as run:
         for passes in PASSES:
             for mode, name in MODES.items():
-                run = subprocess.run([str(program), str(mode), str(passes)], check=True,
-                                     capture_output=True, text=True)  # fmt: skip
-                rate = float(run.stdout.split()[0])
+                rate = run(mode, passes)
                 results.append({"mode": name, "products_per_kb": 2 * passes, "gb_per_s": rate})
                 print(results[-1], flush=True)
     report = {"cpu_flags": cpu_flags(), "buffer_mb": 256, "results": results}
