@@ -123,8 +123,8 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
                 const int64_t pass_rows = rows - r0 < 32 ? rows - r0 : 32;
                 const uint16_t *xp = xb + r0 * k_padded;
                 /* Whole tiles of the output (all 32 outputs of the pair, every row of the
-                 * tiles real) go straight from the tiles to its rows: copied through `sums`
-                 * they took a third longer at 3,072 outputs a row. */
+                 * tiles real) go straight from the tiles to its rows: copied through `sums`,
+                 * a 730-token prefill's matmuls took 1.06x as long. */
                 const int whole = lanes[1] == 0xffff && (pass_rows == 32 || pass_rows == 16);
                 float *direct = whole ? out + r0 * n + col : NULL;
                 if (pass_rows > 16)

@@ -13,11 +13,6 @@ static inline __attribute__((always_inline)) void group_tile(
     /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
     __m256 acc[4], offsets[4];
     for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
-#if defined(FORKLIFT_HAS_VNNI_256)
-    const int offsets_after = 0;
-#else
-    const int offsets_after = is_q4;
-#endif
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * block_bytes;
         for (int64_t line = 0; line < block_bytes; line += 64)
@@ -74,18 +69,20 @@ static inline __attribute__((always_inline)) void group_tile(
             }
             const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
             acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
-            if (is_q4 && !offsets_after) offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
+            if (is_q4) offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
         }
     }
     /* Without VNNI a q4 tile's offsets (the same fused steps in the same block order, so
      * the same sums) take a pass of their own: beside the blocks' products they left too
      * few registers, and the sums went through the stack every block. */
-    if (offsets_after)
+#if !defined(FORKLIFT_HAS_VNNI_256)
+    if (is_q4)
         for (int64_t b = 0; b < blocks; b++) {
             const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)));
             for (int r = 0; r < rows; r++)
                 offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
         }
+#endif
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
 }
 
