@@ -166,15 +166,25 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
     store_sums(out, out_stride, row, fold, first + 8, sums + 8, second_width);
 }
 
+/* Where a pair's unpacked blocks go (quant_row_group_pair, from two tiles of rows): `now`
+ * this pair's buffer, already filled when `now_ready`; `next` the buffer for the pair after
+ * it, whose first group's codes are `next_codes` (NULL: no full pair follows on this
+ * thread). */
+typedef struct {
+    uint8_t *now, *next;
+    int now_ready;
+    const uint8_t *next_codes;
+} PairBuffers;
+
 /* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
  * with evenly spaced rows' codes (`code_stride` bytes apart; 0: no tiles), sixteen rows at a
  * time as group_pair_tiles does, their scales from `tile_scales` (every full tile's, in
- * order). */
-static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
-                                        int64_t rows, float *out, int64_t out_stride,
-                                        int64_t fold, int64_t code_stride, uint8_t *unpacked,
-                                        TileScales tile_scales, int wide, int lone,
-                                        int tile_rows, int paired) {
+ * order). Returns 1 when it unpacked the next pair into buffers.next. */
+static inline int quant_row_group_pair(const QuantWeight *w, int64_t g, const QuantizedRow *x,
+                                       int64_t rows, float *out, int64_t out_stride,
+                                       int64_t fold, int64_t code_stride, PairBuffers buffers,
+                                       TileScales tile_scales, int wide, int lone,
+                                       int tile_rows, int paired) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -192,19 +202,27 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
      * for them). */
     const uint8_t *ready = NULL;
     const int split = wide && !is_q4; /* a q8 weight's wide rows: group_pair_split_tiles */
-    if (code_stride && unpacked != NULL && rows >= 2 * QUANT_TILE_ROWS) {
-        for (int64_t b = 0; b < blocks; b++) {
+    if (code_stride && buffers.now != NULL && rows >= 2 * QUANT_TILE_ROWS) {
+        for (int64_t b = 0; b < (buffers.now_ready ? 0 : blocks); b++) {
             if (split)
-                store_signed_pair_block(codes, codes + partner, b, unpacked + b * 512);
+                store_signed_pair_block(codes, codes + partner, b, buffers.now + b * 512);
             else
                 store_pair_block(codes, codes + partner, b, is_q4, wide,
-                                 unpacked + b * (wide ? 1024 : 512));
+                                 buffers.now + b * (wide ? 1024 : 512));
         }
-        ready = unpacked;
+        ready = buffers.now;
     }
+    /* The next pair (two full groups) is unpacked during this pair's last tile of rows. */
+    const NextPairUnpack next = ready != NULL && buffers.next_codes != NULL
+                                    ? (NextPairUnpack){buffers.next_codes,
+                                                       buffers.next_codes + group_bytes,
+                                                       buffers.next}
+                                    : NO_NEXT_PAIR;
+    int next_unpacked = 0;
 #else
-    (void)unpacked;
+    (void)buffers;
     (void)tile_scales;
+    const int next_unpacked = 0;
 #endif
     for (int64_t r0 = 0; r0 < rows;) {
 #if defined(FORKLIFT_QUANT_TILES)
@@ -213,20 +231,25 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
         if (code_stride && rows - r0 >= tile_rows) {
             float sums[16 * QUANT_TILE_ROWS];
             const TileScales scales = tile_scales_at(tile_scales, r0, blocks);
+            const int last_tile = rows - r0 < 2 * tile_rows;
+            const NextPairUnpack then = last_tile ? next : NO_NEXT_PAIR;
+            next_unpacked |= then.to != NULL;
             if (split)
                 group_pair_split_tiles(codes, codes + partner, d, d + partner_scales, blocks,
-                                       x + r0, code_stride, scales, sums, ready, tile_rows);
+                                       x + r0, code_stride, scales, sums, ready, tile_rows,
+                                       then);
             else if (wide)
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
                                  m + partner_scales, blocks, x + r0, code_stride, scales, sums,
-                                 1, 1, ready, 0);
+                                 1, 1, ready, 0, then);
             else if (is_q4)
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, m,
                                  m + partner_scales, blocks, x + r0, code_stride, scales, sums,
-                                 1, 0, ready, 0);
+                                 1, 0, ready, 0, then);
             else /* q8: int8 rows, or a tile of paired rows (eight rows' high and low) */
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, NULL, NULL,
-                                 blocks, x + r0, code_stride, scales, sums, 0, 0, ready, paired);
+                                 blocks, x + r0, code_stride, scales, sums, 0, 0, ready, paired,
+                                 then);
             for (int t = 0; t < (paired ? tile_rows / 2 : tile_rows); t++)
                 store_pair_sums(out, out_stride, (paired ? r0 / 2 : r0) + t, fold, first,
                                 sums + 16 * t, first_width, second_width);
@@ -272,6 +295,7 @@ static inline void quant_row_group_pair(const QuantWeight *w, int64_t g, const Q
                             second_width);
         r0 += tile;
     }
+    return next_unpacked;
 }
 #endif
 
@@ -423,7 +447,9 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
-        uint8_t *unpacked = NULL;
+        /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile), and
+         * the next pair's, unpacked beside the last tile (PairBuffers). */
+        uint8_t *unpacked[2] = {NULL, NULL};
 #if defined(FORKLIFT_QUANT_TILES)
         if (code_stride) {
 #pragma omp for schedule(static)
@@ -433,10 +459,17 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                                   : w->m != NULL ? QUANT_TILES_WIDE : QUANT_TILES_SPLIT,
                                   tile_rows);
         }
-        /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile). */
-        if (code_stride && active >= 2 * QUANT_TILE_ROWS)
-            unpacked = aligned_alloc(64, (size_t)(k / QK) * (wide && w->m != NULL ? 1024 : 512));
+        if (code_stride && active >= 2 * QUANT_TILE_ROWS) {
+            const size_t bytes = (size_t)(k / QK) * (wide && w->m != NULL ? 1024 : 512);
+            unpacked[0] = aligned_alloc(64, bytes);
+            unpacked[1] = unpacked[0] == NULL ? NULL : aligned_alloc(64, bytes);
+            if (unpacked[1] == NULL) { /* no room: unpack per tile */
+                free(unpacked[0]);
+                unpacked[0] = NULL;
+            }
+        }
 #endif
+        const int64_t group_bytes = (k / QK) * (w->m != NULL ? 128 : 256);
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
         const int64_t begin = id * per < groups ? id * per : groups;
@@ -449,13 +482,22 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
             const int64_t count = active - first < slab ? active - first : slab;
             const QuantizedRow *slab_views = rows_views + first;
             float *slab_out = out + first * w->n;
+#if defined(FORKLIFT_PAIRED_GROUPS)
+            int current = 0, ready = 0; /* which buffer is this pair's; filled already */
+#endif
             for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
                 if (g + 1 < end || wide) {
-                    quant_row_group_pair(w, g, slab_views, count, slab_out, w->n, fold,
-                                         code_stride, unpacked,
-                                         tile_scales_at(tile_scales, first, k / QK),
-                                         wide && !paired, g + 1 >= end, tile_rows, paired);
+                    const PairBuffers buffers = {
+                        unpacked[current], unpacked[1 - current], ready,
+                        unpacked[0] != NULL && g + 3 < end ? w->codes + (g + 2) * group_bytes
+                                                           : NULL};
+                    ready = quant_row_group_pair(w, g, slab_views, count, slab_out, w->n,
+                                                 fold, code_stride, buffers,
+                                                 tile_scales_at(tile_scales, first, k / QK),
+                                                 wide && !paired, g + 1 >= end, tile_rows,
+                                                 paired);
+                    if (ready) current = 1 - current;
                     g++;
                     continue;
                 }
@@ -466,7 +508,9 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
 #if defined(FORKLIFT_QUANT_TILES)
         if (code_stride) amx_tiles_release();
 #endif
-        free(unpacked);
+        free(unpacked[0]);
+        free(unpacked[1]);
+        (void)group_bytes;
     }
     free(tile_scales.xd);
     if (rows_views != views) free(rows_views);

@@ -60,6 +60,17 @@ static inline __attribute__((always_inline)) void store_signed_pair_block(
         _mm512_store_si512(dst + 64 * c, _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80)));
 }
 
+/* The next pair of groups' codes, unpacked block by block during a tile's products
+ * (group_pair_tiles, group_pair_split_tiles) into `to` as the tiles read them: the unpack's
+ * loads then overlap the products and scaling instead of stalling the next pair's start
+ * (from 32 rows a pair's unpack took about a quarter of its matmul). `to` NULL: none. */
+typedef struct {
+    const uint8_t *codes0, *codes1;
+    uint8_t *to;
+} NextPairUnpack;
+
+static const NextPairUnpack NO_NEXT_PAIR = {NULL, NULL, NULL};
+
 /* Block b's tile product into sum tile `sum` from the rows' and the codes' tiles (tile
  * numbers are the instruction's immediates: literals only). The empty asm orders the
  * stores of `packed` before its tile load, which the compiler does not see reading memory. */
@@ -78,13 +89,14 @@ static inline __attribute__((always_inline)) void store_signed_pair_block(
  * group_pair_tile's dot products sum, and each row's sums then go through scale_block_sums:
  * the result is group_pair_tile's bit for bit, with a third of its instructions per row.
  * Pipelined: block b's product runs while block b - 1's sums are stored and block b - 2's
- * are scaled, so no step waits on the one before it. The rows' codes lie `stride` bytes
- * apart; their scales are `scales` (see TileScales). sums[r * 16 + i]. */
+ * are scaled, so no step waits on the one before it; the next pair's block b is unpacked
+ * beside them when `next` says so. The rows' codes lie `stride` bytes apart; their scales
+ * are `scales` (see TileScales). sums[r * 16 + i]. */
 static inline __attribute__((always_inline)) void group_pair_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, int64_t blocks, const QuantizedRow *x,
     int64_t stride, TileScales scales, float *sums, int is_q4, int wide,
-    const uint8_t *unpacked, int pairs) {
+    const uint8_t *unpacked, int pairs, NextPairUnpack next) {
     /* Wide rows (quantize_wide_row): one product of 64 bytes a block, the same sums as the
      * dot products' (group_pair_tile). */
     const int64_t tile_bytes = wide ? 1024 : 512, row_bytes = wide ? 2 * QK : QK;
@@ -103,6 +115,9 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
                 QUANT_TILE_PRODUCT(1, 3, 5, x[0].q + b * row_bytes, stride, tile);
             else
                 QUANT_TILE_PRODUCT(0, 2, 4, x[0].q + b * row_bytes, stride, tile);
+            if (next.to != NULL)
+                store_pair_block(next.codes0, next.codes1, b, is_q4, wide,
+                                 next.to + b * tile_bytes);
         }
         if (b >= 1 && b - 1 < blocks) {
             if ((b - 1) & 1)
@@ -143,11 +158,12 @@ static inline __attribute__((always_inline)) void group_pair_tiles(
  * each row's sums then 256 times the first plus the second: group_pair_tile's integers
  * (which take the unsigned codes' surplus off through offset; signed codes leave none),
  * scaled by scale_block_sums as there, so the same bits. Pipelined as group_pair_tiles:
- * block b's products run while block b - 1's sums are stored and block b - 2's scaled. */
+ * block b's products run while block b - 1's sums are stored and block b - 2's scaled; the
+ * next pair's block b is unpacked beside them when `next` says so. */
 static inline __attribute__((always_inline)) void group_pair_split_tiles(
     const uint8_t *codes0, const uint8_t *codes1, const uint16_t *d0, const uint16_t *d1,
     int64_t blocks, const QuantizedRow *x, int64_t stride, TileScales scales, float *sums,
-    const uint8_t *unpacked, int tile_rows) {
+    const uint8_t *unpacked, int tile_rows, NextPairUnpack next) {
     uint8_t codes_tile[2][512] __attribute__((aligned(64)));
     int32_t block_sums[2][2][16 * QUANT_TILE_ROWS] __attribute__((aligned(64)));
     const int32_t no_offset = 0; /* signed codes: no surplus to take off */
@@ -174,6 +190,8 @@ static inline __attribute__((always_inline)) void group_pair_split_tiles(
                 _tile_dpbssd(0, 2, 4);
                 _tile_dpbusd(1, 3, 4);
             }
+            if (next.to != NULL)
+                store_signed_pair_block(next.codes0, next.codes1, b, next.to + b * 512);
         }
         if (b >= 1 && b - 1 < blocks) {
             int32_t(*done)[16 * QUANT_TILE_ROWS] = block_sums[(b - 1) % 2];
