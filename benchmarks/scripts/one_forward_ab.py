@@ -56,8 +56,8 @@ elif kind == "offline":
     outs = llm.chat(convs, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result["tok_s"] = tokens / (time.perf_counter() - start)
-elif kind in ("decode1", "decode8"):
-    # 1 or 8 sequences decoding 128 tokens at a context of 564: the time with 129 output
+elif kind.startswith("decode"):
+    # decodeN: N sequences decoding 128 tokens at a context of 564: the time with 129 output
     # tokens less the time with one (the same prefill, no cache).
     batch = int(kind.removeprefix("decode"))
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 564)]}
@@ -90,6 +90,7 @@ elif kind == "invariance":
 print("RESULT " + json.dumps(result))
 """
 
+# decodeN takes any batch size N (decode32: the 32-row steps of an offline batch).
 KINDS = ("prefill", "offline", "decode1", "decode8", "invariance")
 
 
@@ -148,7 +149,7 @@ def main() -> None:
         f"Baseline: revision {args.baseline}, alternating with this tree, {args.rounds} rounds "
         "(each measurement a fresh process). prefill: 4 prompts of 512 random tokens, one "
         "output token (median of 3 after a warm-up); offline: 32 chat requests x 128 tokens "
-        "(offline-mixed); decode1, decode8: 1 or 8 sequences at a context of 564 decoding 128 "
+        "(offline-mixed); decodeN: N sequences at a context of 564 decoding 128 "
         "tokens (the time with 129 output tokens less the time with one); "
         "invariance: 10 chat turns of 24 tokens at temperature 0, each alone against beside 7 "
         "others and after a request that left part of it in the prefix cache.",

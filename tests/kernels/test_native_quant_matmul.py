@@ -183,6 +183,19 @@ def test_prefill_sized_steps_equal_the_reference_and_each_row_alone(kernel, form
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("form", ["int4", "int8"])
+@pytest.mark.parametrize("precise", [False, True])
+def test_outputs_past_a_megabyte_equal_each_row_alone(kernel, form, precise):
+    """From 1 MiB of output the tiles stream their sums to memory (quant_matmul.h) and each
+    thread unpacks the next pair of groups during a pair's last tile: 520 rows of 528
+    outputs (a second slab of 8 rows on dot products, a group left alone at the end of a
+    thread's share) still equal each row's product alone, bit for bit, and 31 rows too."""
+    blocks, x, alone = _each_row_alone(kernel, form, precise, n=528, k=96, rows=520, seed=29)
+    assert 4 * 520 * 528 >= 2**20
+    assert torch.equal(blocks.linear(x), alone)
+    assert torch.equal(blocks.linear(x[:31]), alone[:31])
+
+
 def test_int4_blocks_hold_the_groups_exactly(kernel):
     """GGUF-like groups (fp16-representable d and m) survive the interleaved layout bit for
     bit, rows past a multiple of eight included."""

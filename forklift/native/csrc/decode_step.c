@@ -419,7 +419,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
 #if !defined(FORKLIFT_DENSE_TILES)
     if (dense) return 2;
 #endif
-    float *residual = malloc(sizeof(float) * floats);
+    float *residual = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
     QuantizedRow *views = malloc(sizeof(QuantizedRow) * (size_t)(2 * rows));
     int8_t *scratch = views == NULL ? NULL : quantized_rows_alloc(2 * rows, widest, views);
     /* Dense weights' inputs as bf16. */

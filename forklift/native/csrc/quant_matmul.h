@@ -184,7 +184,7 @@ static inline int quant_row_group_pair(const QuantWeight *w, int64_t g, const Qu
                                        int64_t rows, float *out, int64_t out_stride,
                                        int64_t fold, int64_t code_stride, PairBuffers buffers,
                                        TileScales tile_scales, int wide, int lone,
-                                       int tile_rows, int paired) {
+                                       int tile_rows, int paired, int stream) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const int64_t group_bytes = blocks * (is_q4 ? 128 : 256);
@@ -222,6 +222,7 @@ static inline int quant_row_group_pair(const QuantWeight *w, int64_t g, const Qu
 #else
     (void)buffers;
     (void)tile_scales;
+    (void)stream;
     const int next_unpacked = 0;
 #endif
     for (int64_t r0 = 0; r0 < rows;) {
@@ -250,9 +251,15 @@ static inline int quant_row_group_pair(const QuantWeight *w, int64_t g, const Qu
                 group_pair_tiles(codes, codes + partner, d, d + partner_scales, NULL, NULL,
                                  blocks, x + r0, code_stride, scales, sums, 0, 0, ready, paired,
                                  then);
-            for (int t = 0; t < (paired ? tile_rows / 2 : tile_rows); t++)
-                store_pair_sums(out, out_stride, (paired ? r0 / 2 : r0) + t, fold, first,
-                                sums + 16 * t, first_width, second_width);
+            if (stream && fold == 0 && !paired && first_width == 8 && second_width == 8 &&
+                ((uintptr_t)(out + first) & 63) == 0 && out_stride % 16 == 0)
+                for (int t = 0; t < tile_rows; t++) /* one whole cache line a row */
+                    _mm512_stream_ps(out + (r0 + t) * out_stride + first,
+                                     _mm512_loadu_ps(sums + 16 * t));
+            else
+                for (int t = 0; t < (paired ? tile_rows / 2 : tile_rows); t++)
+                    store_pair_sums(out, out_stride, (paired ? r0 / 2 : r0) + t, fold, first,
+                                    sums + 16 * t, first_width, second_width);
             r0 += tile_rows;
             continue;
         }
@@ -319,6 +326,13 @@ static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow
  * four projections took 1.34x as long for 2048 rows in one call as in four of 512 (128-512
  * row calls cost the same per row). */
 #define QUANT_SLAB_ROWS 512
+
+/* From this many bytes of output (rows x outputs x 4), the tiles' sums go to memory as
+ * streaming stores, whole cache lines without reading them first: an output that large
+ * leaves a 2 MB L2 before its reader comes (half of it is each of two threads' share), and
+ * fetching its lines only to overwrite them held the prefill's matmuls back (1.12x without;
+ * below it, a decode batch's outputs stay in cache for the next layer). */
+#define QUANT_STREAM_OUTPUT_BYTES (1 << 20)
 
 /* Rows from which activation rows are quantized on every thread. */
 #define QUANTIZE_PARALLEL_ROWS 16
@@ -445,6 +459,9 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         }
     }
 #endif
+#if defined(FORKLIFT_PAIRED_GROUPS)
+    const int stream = (int64_t)sizeof(float) * rows * w->n >= QUANT_STREAM_OUTPUT_BYTES;
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         /* A pair's unpacked blocks, reused by every tile of rows (NULL: unpack per tile), and
@@ -470,6 +487,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         }
 #endif
         const int64_t group_bytes = (k / QK) * (w->m != NULL ? 128 : 256);
+
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
         const int64_t begin = id * per < groups ? id * per : groups;
@@ -496,7 +514,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                                                  fold, code_stride, buffers,
                                                  tile_scales_at(tile_scales, first, k / QK),
                                                  wide && !paired, g + 1 >= end, tile_rows,
-                                                 paired);
+                                                 paired, stream);
                     if (ready) current = 1 - current;
                     g++;
                     continue;
@@ -506,6 +524,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
             }
         }
 #if defined(FORKLIFT_QUANT_TILES)
+        if (stream) _mm_sfence(); /* the streamed rows visible before the threads join */
         if (code_stride) amx_tiles_release();
 #endif
         free(unpacked[0]);
