@@ -1,17 +1,18 @@
 """The native decode step of this tree against the one of a git revision, side by side in one
 process: one engine on the default model (bf16, its GGUF blocks), its step library swapped
 between the two builds, rounds alternating, each round `STEPS` pure decode steps at each
-batch size with 564-token prompts. Writes benchmarks/<dir>/<name>.{md,json} (name:
-decode-step-ab unless given).
+batch size with 564-token prompts (or --context, at --batches). Writes
+benchmarks/<dir>/<name>.{md,json} (name: decode-step-ab unless given).
 
 Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
+     [--context N] [--batches 1,8]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,13 +30,24 @@ BATCHES = (1, 8)
 
 
 def main() -> None:
-    revision = sys.argv[1]
-    out_dir = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else ROOT / "benchmarks"
-    stem = sys.argv[3] if len(sys.argv) > 3 else "decode-step-ab"
-    longest = max(BATCHES)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("revision")
+    parser.add_argument("out_dir", nargs="?", type=Path, default=ROOT / "benchmarks")
+    parser.add_argument("name", nargs="?", default="decode-step-ab")
+    parser.add_argument("--context", type=int, default=CONTEXT)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    args = parser.parse_args()
+    revision, out_dir, stem, context = (
+        args.revision,
+        args.out_dir.resolve(),
+        args.name,
+        args.context,
+    )
+    batches = tuple(int(b) for b in args.batches.split(","))
+    longest = max(batches)
     budget = decode_step_budget(longest)
     llm = LLM(model=str(default_model_path()), dtype="bfloat16", max_num_seqs=longest,
-              max_model_len=CONTEXT + STEPS + 16 + prefill_steps(longest, CONTEXT, budget),
+              max_model_len=context + STEPS + 16 + prefill_steps(longest, context, budget),
               max_num_batched_tokens=budget)  # fmt: skip
     runner = llm.llm_engine.runner
     assert runner.native_step is not None, "the native step does not run here"
@@ -43,22 +55,22 @@ def main() -> None:
         libraries = step_libraries(revision, Path(scratch))
         steps = {name: NativeDecodeStep(library) for name, library in libraries.items()}
         rows = []
-        for batch in BATCHES:
+        for batch in batches:
             times: dict[str, list[float]] = {name: [] for name in steps}
             for round_index in range(ROUNDS):
                 for name, step in steps.items():
                     runner.native_step = step
                     rng = random.Random(round_index)
-                    times[name] += time_pure_decode(llm, batch, CONTEXT, STEPS, rng)
+                    times[name] += time_pure_decode(llm, batch, context, STEPS, rng)
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             rows.append({"batch": batch, "ms": ms, "speedup": ms[revision] / ms["this tree"]})
             print(rows[-1], flush=True)
-    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": CONTEXT,
+    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": context,
               "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
     lines = [
         "# Native decode step: this tree against a baseline revision",
         "",
-        f"Default model (bf16, its GGUF blocks), {CONTEXT}-token prompts, one engine whose step "
+        f"Default model (bf16, its GGUF blocks), {context}-token prompts, one engine whose step "
         f"library alternates between the two builds: median of {ROUNDS} rounds x {STEPS} pure "
         "decode steps each.",
         "",
@@ -71,7 +83,9 @@ def main() -> None:
         ),
         "",
     ]
-    extra = () if stem == "decode-step-ab" else (stem,)
+    extra = [] if stem == "decode-step-ab" else [stem]
+    if context != CONTEXT or batches != BATCHES:
+        extra += ["--context", context, "--batches", args.batches]
     write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, *extra))
 
 
