@@ -152,6 +152,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     peer.add_argument(
         "--llama-server", default=None, help="llama.cpp's llama-server: started on the same GGUF"
     )
+    parser.add_argument(
+        "--peer-command",
+        default=None,
+        help="shell command that starts the --peer-url server after forklift's sweep (stopped "
+        "after its own), so neither server holds memory while the other is measured",
+    )
     parser.add_argument("--peer-threads", type=int, default=None, help="llama-server -t / -tb")
     parser.add_argument("--name", default="serve", help="report file name stem")
     parser.add_argument("--quick", action="store_true", help="a small run (under 3 minutes)")
@@ -168,6 +174,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "api_key": args.api_key,
         "server_args": args.server_arg,
         "peer_url": args.peer_url,
+        "peer_command": args.peer_command,
         "llama_server": args.llama_server,
         "peer_threads": args.peer_threads,
     }
@@ -189,7 +196,7 @@ def _serve_command(args: argparse.Namespace) -> str:
     command = _command("serve", args.quick)
     command += _given(args, "base_url", "model", "served_model", "input_tokens", "output_tokens",
                       "concurrency", "min_requests", "requests_per_concurrency", "peer_url",
-                      "peer_threads")  # fmt: skip
+                      "peer_command", "peer_threads")  # fmt: skip
     command += ["--endpoint", args.endpoint] if args.endpoint != "completions" else []
     # The binary's path is this machine's; the report names the program only.
     command += ["--llama-server", "llama-server"] if args.llama_server else []

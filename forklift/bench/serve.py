@@ -26,7 +26,11 @@ import httpx
 import numpy as np
 
 from forklift.bench.report import cpu_flags, subplots, write_report_files
-from forklift.bench.server_process import forklift_server_process, llama_server_process
+from forklift.bench.server_process import (
+    forklift_server_process,
+    llama_server_process,
+    shell_server_process,
+)
 from forklift.bench.stream_client import RequestTiming, request_body, stream_request
 from forklift.bench.synthetic_prompt import synthetic_prompt
 from forklift.checkpoint.source import resolve_model
@@ -51,6 +55,9 @@ class ServeSettings:
     api_key: str | None = None
     server_args: list[str] = field(default_factory=list)
     peer_url: str | None = None  # another OpenAI-compatible server, loaded the same way
+    # A shell command that starts the peer at peer_url after forklift's sweep (and is stopped
+    # after the peer's): each server then has the machine, and its memory, to itself.
+    peer_command: str | None = None
     llama_server: str | None = None  # llama.cpp's llama-server binary, started on the GGUF
     peer_threads: int | None = None  # llama-server -t / -tb (default: torch's thread count)
 
@@ -78,6 +85,8 @@ class ServeSettings:
             raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
         if self.peer_url and self.llama_server:
             raise ValueError("give a peer URL or a llama-server binary, not both")
+        if self.peer_command and not self.peer_url:
+            raise ValueError("peer_command needs peer_url: where the started peer answers")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -187,7 +196,12 @@ def _scale(levels: list[LevelResult]) -> None:
 def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dict[str, Any] | None:
     if settings.peer_url:
         url = settings.peer_url.rstrip("/").removesuffix("/v1")
-        name, server = "peer", nullcontext((url, None))
+        name = "peer"
+        server: Any = (
+            shell_server_process(settings.peer_command, url)
+            if settings.peer_command
+            else nullcontext((url, None))
+        )
         extra: dict[str, Any] = {}
     elif settings.llama_server:
         if source.format != "gguf":
@@ -208,6 +222,7 @@ def _run_peer(settings: ServeSettings, source: Any, tokenizer: Tokenizer) -> dic
     return {
         "name": name,
         "target": settings.peer_url or "llama-server (started by the benchmark)",
+        "started_after_forklift": bool(settings.peer_command or settings.llama_server),
         # llama-server names its model by the file's path: keep the file name only.
         "served_model": served_model.rsplit("/", 1)[-1],
         "levels": [asdict(level) for level in levels],
@@ -438,10 +453,20 @@ def _peer_lines(report: dict[str, Any]) -> list[str]:
         "",
         "Ratios: throughput forklift / peer, latencies peer / forklift (above 1: forklift is "
         "better).",
+        *(
+            [
+                "",
+                f"The {name} started after forklift's sweep ended and stopped after its own: "
+                "each server had the machine and its memory to itself.",
+            ]
+            if peer.get("started_after_forklift")
+            else []
+        ),
         "",
         f"| concurrency | forklift out tok/s | {name} out tok/s | ratio | TTFT p50 forklift / "
-        f"{name} (ms) | ITL p50 forklift / {name} (ms) | ITL p99 forklift / {name} (ms) |",
-        "|---|---|---|---|---|---|---|",
+        f"{name} (ms) | TTFT p99 forklift / {name} (ms) | ITL p50 forklift / {name} (ms) | "
+        f"ITL p99 forklift / {name} (ms) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     theirs = {lv["concurrency"]: lv for lv in peer["levels"]}
     ratio = {r["concurrency"]: r for r in report["ratios"]}
@@ -453,6 +478,7 @@ def _peer_lines(report: dict[str, Any]) -> list[str]:
             f"| {lv['concurrency']} | {lv['output_tokens_per_s']:.1f} | "
             f"{other['output_tokens_per_s']:.1f} | {r['output_tokens_per_s']:.2f}x | "
             f"{lv['ttft_ms_p50']:.0f} / {other['ttft_ms_p50']:.0f} | "
+            f"{lv['ttft_ms_p99']:.0f} / {other['ttft_ms_p99']:.0f} | "
             f"{lv['itl_ms_p50']:.0f} / {other['itl_ms_p50']:.0f} | "
             f"{lv['itl_ms_p99']:.0f} / {other['itl_ms_p99']:.0f} |"
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,22 +65,50 @@ def llama_server_process(
 
 
 @contextmanager
-def _running(
-    command: list[str], port: int, startup_timeout_s: float, name: str
+def shell_server_process(
+    command: str, base_url: str, startup_timeout_s: float = 600.0
 ) -> Iterator[tuple[str, int]]:
+    """A server that a shell command starts (a peer such as vLLM's, with its own engine
+    processes), answering /health at `base_url`; stopped with every process it started."""
+    with _running(command, base_url, startup_timeout_s, "the peer command", shell=True) as started:
+        yield started
+
+
+@contextmanager
+def _running(
+    command: list[str] | str,
+    port_or_url: int | str,
+    startup_timeout_s: float,
+    name: str,
+    shell: bool = False,
+) -> Iterator[tuple[str, int]]:
+    base_url = port_or_url if isinstance(port_or_url, str) else f"http://127.0.0.1:{port_or_url}"
     with tempfile.TemporaryFile(mode="w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        base_url = f"http://127.0.0.1:{port}"
+        # Its own process group: stopping it stops what it started too.
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, shell=shell, start_new_session=True
+        )
         try:
-            _wait_healthy(process, base_url, startup_timeout_s, log, name)
+            _wait_healthy(process, base_url.rstrip("/"), startup_timeout_s, log, name)
             yield base_url, process.pid
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the group, 30 s for its leader to exit, then SIGKILL to whatever is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _wait_healthy(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 
+import httpx
 import pytest
 
 from forklift.bench.serve import ServeSettings
-from forklift.bench.server_process import forklift_server
+from forklift.bench.server_process import free_loopback_port
 from forklift.bench.synthetic_prompt import synthetic_prompt
 from forklift.cli import main
 from forklift.tokenizer import load_tokenizer
@@ -29,20 +32,34 @@ def test_requests_per_level_follow_the_rule():
     assert [settings.requests_at(c) for c in settings.concurrencies] == [8, 16, 32, 64, 128]
     with pytest.raises(ValueError, match="endpoint"):
         ServeSettings(endpoint="embeddings").validate()
+    with pytest.raises(ValueError, match="peer_url"):
+        ServeSettings(peer_command="vllm serve").validate()
 
 
 @pytest.mark.slow
 def test_quick_serve_sweep_against_a_started_server_and_a_peer(tmp_path):
-    # The peer is a second forklift server: any OpenAI-compatible server will do.
-    with forklift_server(["--max-model-len", "512"]) as peer_url:
-        args = ["bench", "serve", "--quick", "--peer-url", peer_url, "--out-dir", str(tmp_path)]
-        assert main(args) == 0
+    # The peer is a second forklift server (any OpenAI-compatible server will do), started by
+    # a shell command once forklift's sweep is over and stopped after its own.
+    port = free_loopback_port()
+    peer_url = f"http://127.0.0.1:{port}/v1"
+    serve = [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1"]
+    peer_command = shlex.join([*serve, "--port", str(port), "--max-model-len", "512"])
+    args = ["bench", "serve", "--quick", "--peer-url", peer_url, "--peer-command", peer_command,
+            "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    with pytest.raises(httpx.ConnectError):  # the peer and what it started are gone
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     report = json.loads((tmp_path / "serve.json").read_text())
     markdown = (tmp_path / "serve.md").read_text()
     assert markdown.startswith("# Serving sweep")
     assert "## Side by side: forklift vs peer" in markdown
+    assert "each server had the machine and its memory to itself" in markdown
+    assert report["peer"]["started_after_forklift"] is True
     assert (tmp_path / "serve.png").stat().st_size > 0
-    assert report["command"] == f"forklift bench serve --quick --peer-url {peer_url}"
+    assert report["command"] == shlex.join(
+        ["forklift", "bench", "serve", "--quick", "--peer-url", peer_url, "--peer-command",
+         peer_command]
+    )  # fmt: skip
     peer_levels = report["peer"]["levels"]
     assert [lv["completed"] for lv in peer_levels] == report["workload"]["requests_per_level"]
     for level, theirs, ratio in zip(report["levels"], peer_levels, report["ratios"], strict=True):
