@@ -37,7 +37,9 @@ def forklift_server_process(
     port = free_loopback_port()
     command = [sys.executable, "-m", "forklift.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), *extra_args]
-    with _running(command, port, startup_timeout_s, "forklift serve") as started:
+    with _running(
+        command, f"http://127.0.0.1:{port}", startup_timeout_s, "forklift serve"
+    ) as started:
         yield started
 
 
@@ -60,7 +62,9 @@ def llama_server_process(
         "-c", str(slot_tokens * slots), "-np", str(slots), "--cache-ram", "0", "-fa", "off",
         "--no-webui", "--host", "127.0.0.1", "--port", str(port), *(extra_args or []),
     ]  # fmt: skip
-    with _running(command, port, startup_timeout_s, "llama-server") as started:
+    with _running(
+        command, f"http://127.0.0.1:{port}", startup_timeout_s, "llama-server"
+    ) as started:
         yield started
 
 
@@ -70,26 +74,27 @@ def shell_server_process(
 ) -> Iterator[tuple[str, int]]:
     """A server that a shell command starts (a peer such as vLLM's, with its own engine
     processes), answering /health at `base_url`; stopped with every process it started."""
-    with _running(command, base_url, startup_timeout_s, "the peer command", shell=True) as started:
+    with _running(
+        command, base_url.rstrip("/"), startup_timeout_s, "the peer command", shell=True
+    ) as started:
         yield started
 
 
 @contextmanager
 def _running(
     command: list[str] | str,
-    port_or_url: int | str,
+    base_url: str,
     startup_timeout_s: float,
     name: str,
     shell: bool = False,
 ) -> Iterator[tuple[str, int]]:
-    base_url = port_or_url if isinstance(port_or_url, str) else f"http://127.0.0.1:{port_or_url}"
     with tempfile.TemporaryFile(mode="w+") as log:
         # Its own process group: stopping it stops what it started too.
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, shell=shell, start_new_session=True
         )
         try:
-            _wait_healthy(process, base_url.rstrip("/"), startup_timeout_s, log, name)
+            _wait_healthy(process, base_url, startup_timeout_s, log, name)
             yield base_url, process.pid
         finally:
             _stop_group(process)

@@ -168,12 +168,11 @@ static inline void store_pair_sums(float *out, int64_t out_stride, int64_t row, 
 
 /* Where a pair's unpacked blocks go (quant_row_group_pair, from two tiles of rows): `now`
  * this pair's buffer, already filled when `now_ready`; `next` the buffer for the pair after
- * it, whose first group's codes are `next_codes` (NULL: no full pair follows on this
- * thread). */
+ * it (groups g + 2 and g + 3), filled when `next_follows` (that full pair is this thread's
+ * next). */
 typedef struct {
     uint8_t *now, *next;
-    int now_ready;
-    const uint8_t *next_codes;
+    int now_ready, next_follows;
 } PairBuffers;
 
 /* Groups g and g + 1 (g + 1 may be the last, partial one) as group_pair_tile computes them;
@@ -213,10 +212,9 @@ static inline int quant_row_group_pair(const QuantWeight *w, int64_t g, const Qu
         ready = buffers.now;
     }
     /* The next pair (two full groups) is unpacked during this pair's last tile of rows. */
-    const NextPairUnpack next = ready != NULL && buffers.next_codes != NULL
-                                    ? (NextPairUnpack){buffers.next_codes,
-                                                       buffers.next_codes + group_bytes,
-                                                       buffers.next}
+    const NextPairUnpack next = ready != NULL && buffers.next_follows
+                                    ? (NextPairUnpack){codes + 2 * group_bytes,
+                                                       codes + 3 * group_bytes, buffers.next}
                                     : NO_NEXT_PAIR;
     int next_unpacked = 0;
 #else
@@ -476,17 +474,12 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                                   : w->m != NULL ? QUANT_TILES_WIDE : QUANT_TILES_SPLIT,
                                   tile_rows);
         }
-        if (code_stride && active >= 2 * QUANT_TILE_ROWS) {
+        if (code_stride && active >= 2 * QUANT_TILE_ROWS) { /* NULL, no room: per tile */
             const size_t bytes = (size_t)(k / QK) * (wide && w->m != NULL ? 1024 : 512);
-            unpacked[0] = aligned_alloc(64, bytes);
-            unpacked[1] = unpacked[0] == NULL ? NULL : aligned_alloc(64, bytes);
-            if (unpacked[1] == NULL) { /* no room: unpack per tile */
-                free(unpacked[0]);
-                unpacked[0] = NULL;
-            }
+            unpacked[0] = aligned_alloc(64, 2 * bytes);
+            unpacked[1] = unpacked[0] == NULL ? NULL : unpacked[0] + bytes;
         }
 #endif
-        const int64_t group_bytes = (k / QK) * (w->m != NULL ? 128 : 256);
 
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (groups + threads - 1) / threads;
@@ -506,10 +499,8 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
             for (int64_t g = begin; g < end; g++) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
                 if (g + 1 < end || wide) {
-                    const PairBuffers buffers = {
-                        unpacked[current], unpacked[1 - current], ready,
-                        unpacked[0] != NULL && g + 3 < end ? w->codes + (g + 2) * group_bytes
-                                                           : NULL};
+                    const PairBuffers buffers = {unpacked[current], unpacked[1 - current],
+                                                 ready, g + 3 < end};
                     ready = quant_row_group_pair(w, g, slab_views, count, slab_out, w->n,
                                                  fold, code_stride, buffers,
                                                  tile_scales_at(tile_scales, first, k / QK),
@@ -527,9 +518,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         if (stream) _mm_sfence(); /* the streamed rows visible before the threads join */
         if (code_stride) amx_tiles_release();
 #endif
-        free(unpacked[0]);
-        free(unpacked[1]);
-        (void)group_bytes;
+        free(unpacked[0]); /* both buffers */
     }
     free(tile_scales.xd);
     if (rows_views != views) free(rows_views);
