@@ -4,11 +4,68 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX2_H
 #define FORKLIFT_QUANT_MATMUL_AVX2_H
 
+#if !defined(FORKLIFT_HAS_VNNI_256)
+/* group_tile for q4 codes without VNNI (vpmaddubsw): each chunk of a block's codes is
+ * unpacked as it is used and taken by every row in turn, each row's block sum one 16-bit
+ * vector. q4 codes are at most 15, so each 16-bit pair sum of vpmaddubsw is at most
+ * 2 * 15 * 127 = 3,810 in size and a block's eight add up to 30,480: they sum exactly in 16
+ * bits in any order, widened once per block (the int32 sums, and so the bits, of
+ * dot_accumulate's). With all eight unpacked chunks held for the rows at once, the rows'
+ * sums went through the stack every block (1.12-1.15x slower). The offsets (the same fused
+ * steps in the same block order, so the same sums) take a pass of their own. */
+static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t blocks,
+    const QuantizedRow *x, int rows, float *sums) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[4], offsets[4];
+    for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * 128;
+        __builtin_prefetch(block + PREFETCH_BLOCKS * 128);
+        __builtin_prefetch(block + PREFETCH_BLOCKS * 128 + 64);
+        __m256i sum16[4];
+        for (int r = 0; r < 4; r++) sum16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+            const __m256i lo = _mm256_and_si256(packed, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+                sum16[r] = _mm256_add_epi16(sum16[r],
+                                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[c])));
+                sum16[r] = _mm256_add_epi16(
+                    sum16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[c + 4])));
+                /* Kept in a register as it stands: otherwise GCC regroups the exact integer
+                 * adds, computes every product first and spills them. */
+                __asm__("" : "+x"(sum16[r]));
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+        for (int r = 0; r < rows; r++) {
+            const __m256 total = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones));
+            acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
+        }
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)));
+        for (int r = 0; r < rows; r++)
+            offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
+}
+#endif
+
 /* Eight output rows (one row group) against `rows` activation rows, at most 4 at a time
  * so the sums stay in registers; sums[r * 8 + i] receives row group lane i. */
 static inline __attribute__((always_inline)) void group_tile(
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t blocks,
     const QuantizedRow *x, int rows, float *sums, int is_q4) {
+#if !defined(FORKLIFT_HAS_VNNI_256)
+    if (is_q4) {
+        group_tile_q4_maddubs(codes, d, m, blocks, x, rows, sums);
+        return;
+    }
+#endif
     const int64_t block_bytes = is_q4 ? 128 : 256;
     /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
     __m256 acc[4], offsets[4];
@@ -36,27 +93,6 @@ static inline __attribute__((always_inline)) void group_tile(
                                 : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
-#if !defined(FORKLIFT_HAS_VNNI_256)
-            if (is_q4) {
-                /* q4 codes are at most 15, so each 16-bit pair sum of vpmaddubsw is at most
-                 * 2 * 15 * 127 = 3,810 in size and a block's eight add up to 30,480: they
-                 * sum exactly in 16 bits, widened once per block (the int32 sums, and so the
-                 * bits, of dot_accumulate's 24 instructions, in 16). */
-                __m256i even16 = _mm256_setzero_si256(), odd16 = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c += 2) {
-                    even16 = _mm256_add_epi16(
-                        even16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xq[c])));
-                    odd16 = _mm256_add_epi16(
-                        odd16, _mm256_maddubs_epi16(w[c + 1], _mm256_set1_epi32(xq[c + 1])));
-                }
-                const __m256i dots =
-                    _mm256_madd_epi16(_mm256_add_epi16(even16, odd16), _mm256_set1_epi16(1));
-                const __m256 total = _mm256_cvtepi32_ps(dots);
-                acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])),
-                                         acc[r]);
-                continue; /* the offsets after the blocks, below */
-            }
-#endif
             __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
             for (int c = 0; c < 8; c += 2) {
                 __m256i x0 = _mm256_set1_epi32(xq[c]), x1 = _mm256_set1_epi32(xq[c + 1]);
@@ -72,17 +108,6 @@ static inline __attribute__((always_inline)) void group_tile(
             if (is_q4) offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
         }
     }
-    /* Without VNNI a q4 tile's offsets (the same fused steps in the same block order, so
-     * the same sums) take a pass of their own: beside the blocks' products they left too
-     * few registers, and the sums went through the stack every block. */
-#if !defined(FORKLIFT_HAS_VNNI_256)
-    if (is_q4)
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8 * b)));
-            for (int r = 0; r < rows; r++)
-                offsets[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].xs[b]), offsets[r]);
-        }
-#endif
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
 }
 
