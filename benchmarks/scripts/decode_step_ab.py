@@ -1,11 +1,12 @@
 """The native decode step of this tree against the one of a git revision, side by side in one
 process: one engine on the default model (bf16, its GGUF blocks), its step library swapped
 between the two builds, rounds alternating, each round `STEPS` pure decode steps at each
-batch size with 564-token prompts (or --context, at --batches). Writes
+batch size with 564-token prompts (or --context, at --batches), the model in bf16 (or
+--dtype: `auto` is the CPU's default, fp32 without AVX512-BF16). Writes
 benchmarks/<dir>/<name>.{md,json} (name: decode-step-ab unless given).
 
 Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
-     [--context N] [--batches 1,8]
+     [--context N] [--batches 1,8] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("name", nargs="?", default="decode-step-ab")
     parser.add_argument("--context", type=int, default=CONTEXT)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"))
     args = parser.parse_args()
     revision, out_dir, stem, context = (
         args.revision,
@@ -46,7 +48,7 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     longest = max(batches)
     budget = decode_step_budget(longest)
-    llm = LLM(model=str(default_model_path()), dtype="bfloat16", max_num_seqs=longest,
+    llm = LLM(model=str(default_model_path()), dtype=args.dtype, max_num_seqs=longest,
               max_model_len=context + STEPS + 16 + prefill_steps(longest, context, budget),
               max_num_batched_tokens=budget)  # fmt: skip
     runner = llm.llm_engine.runner
@@ -65,12 +67,13 @@ def main() -> None:
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             rows.append({"batch": batch, "ms": ms, "speedup": ms[revision] / ms["this tree"]})
             print(rows[-1], flush=True)
-    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": context,
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(str(runner.dtype).removeprefix("torch."))
+    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": context, "dtype": dtype,
               "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
     lines = [
         "# Native decode step: this tree against a baseline revision",
         "",
-        f"Default model (bf16, its GGUF blocks), {context}-token prompts, one engine whose step "
+        f"Default model ({dtype}, its GGUF blocks), {context}-token prompts, one engine whose step "
         f"library alternates between the two builds: median of {ROUNDS} rounds x {STEPS} pure "
         "decode steps each.",
         "",
@@ -86,6 +89,8 @@ def main() -> None:
     extra = [] if stem == "decode-step-ab" else [stem]
     if context != CONTEXT or batches != BATCHES:
         extra += ["--context", context, "--batches", args.batches]
+    if args.dtype != "bfloat16":
+        extra += ["--dtype", args.dtype]
     write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, *extra))
 
 
