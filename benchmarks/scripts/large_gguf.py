@@ -23,9 +23,11 @@ from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
+from forklift.cpu import cpu_has_fast_bf16
 
 CONTEXT = 4096
-KV_BYTES_PER_TOKEN_3B = 28 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head size x bf16
+# layers x (K, V) x KV heads x head size: values a token's K/V take in the cache
+KV_VALUES_PER_TOKEN_3B = 28 * 2 * 8 * 128
 
 # One forklift process: load, one short request, then prefill and decode timings.
 CHILD = r"""
@@ -55,10 +57,16 @@ print("RESULT " + json.dumps({
 """
 
 
+def kv_value_bytes() -> int:
+    """The cache's element size as forklift serves by default: bf16 where the CPU computes
+    bf16 fast, else fp32 (an AVX2-only CPU)."""
+    return 2 if cpu_has_fast_bf16() else 4
+
+
 def forklift_run(model: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(CONTEXT),
-         str((CONTEXT + 32) * KV_BYTES_PER_TOKEN_3B)],  # (+ the null block)
+         str((CONTEXT + 32) * KV_VALUES_PER_TOKEN_3B * kv_value_bytes())],  # (+ the null block)
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
@@ -129,8 +137,9 @@ def main() -> None:
         "with the default model's vocabulary; benchmarks/scripts/make_large_gguf.py). Both "
         f"engines on 2 threads, context {CONTEXT} tokens. Prefill: one 512-token prompt "
         "(llama-bench pp512); decode: 64 tokens after it (llama-bench tg64, from an empty "
-        "context). Resident memory: after one request (llama-server -c 4096 -np 1; "
-        "forklift with a KV cache of 4096 tokens).",
+        "context). Resident memory: after one request (llama-server -c 4096 -np 1, its "
+        "fp16 cache; forklift with a KV cache of 4096 tokens in "
+        f"{'bf16' if kv_value_bytes() == 2 else 'fp32, as it serves on this CPU'}).",
         "",
         "| what | forklift | llama.cpp | ratio |",
         "|---|---|---|---|",
