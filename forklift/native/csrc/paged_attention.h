@@ -369,11 +369,12 @@ static inline __attribute__((always_inline)) void accumulate_values(
 #define FP32_VALUE_CHUNK 64
 
 /* acc[j, :] = sum_t p[j, t] * V[t] for all `count` vectors over the live positions, V an fp32
- * cache of head_dim a multiple of 64. Chunk by chunk of live positions, each vector's sums
- * for a 64-value slice stay in eight 8-lane registers across the chunk: added onto their
- * row of acc one position at a time, in position order, they cost a load and a store per
- * product and the stores bound the pass. Every sum still takes its products in position
- * order, fused as before, so the same bits. */
+ * cache of head_dim a multiple of 64. Chunk by chunk of live positions, eight 8-lane
+ * registers of sums stay put across the chunk: two vectors' sums for a 32-value half slice
+ * (an odd count's last vector: its own for a 64-value slice). Added onto their row of acc
+ * one position at a time, in position order, they cost a load and a store per product and
+ * the stores bound the pass. Every sum still takes its products in position order, fused as
+ * before, so the same bits. */
 static inline __attribute__((always_inline)) void accumulate_fp32_values(
     float *acc, const float *scores, const char *v_head, const int64_t *slots,
     const int64_t *live, int64_t num_live, int64_t width, int64_t count, int64_t head_dim) {
@@ -383,8 +384,8 @@ static inline __attribute__((always_inline)) void accumulate_fp32_values(
         const int64_t c1 = c0 + FP32_VALUE_CHUNK < num_live ? c0 + FP32_VALUE_CHUNK : num_live;
         for (int64_t i = c1; i < c1 + FP32_VALUE_CHUNK && i < num_live; i++)
             prefetch_row(v_head, slots[live[i]], row_bytes);
-        /* Two vectors at a time over a 32-value half slice: each value vector loaded
-         * serves both (a load per product when one vector took a whole slice). */
+        /* Two vectors at a time: each value vector loaded serves both (a load per product
+         * when one vector took a whole slice). */
         int64_t j = 0;
         for (; j + 2 <= count; j += 2) {
             const float *pa = scores + j * width, *pb = pa + width;
