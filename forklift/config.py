@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DECODE_BACKENDS = ("auto", "native", "torch")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain
@@ -65,7 +65,9 @@ class EngineConfig:
     device: str = "auto"
     # Tokens per KV-cache block.
     block_size: int = 16
-    # How the KV cache stores K/V (vLLM's names): "auto" = the model's dtype; "int8", "fp8"
+    # How the KV cache stores K/V (vLLM's names): "auto" = bf16 on a CPU when dtype is
+    # "auto" (also where the model computes in fp32: half the bytes a decode step reads),
+    # else the model's dtype; "bfloat16" or "float32" = those values; "int8", "fp8"
     # (= "fp8_e4m3") or "fp8_e5m2" = one-byte codes with a float32 scale per token and KV
     # head (about twice the tokens in the same memory, half the bytes a decode step reads;
     # int8 is the most precise of the three; docs/architecture.md).
@@ -228,6 +230,14 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_kv_cache_dtype(self, device: torch.device) -> str:
+        """kv_cache_dtype with "auto" settled where it departs from the model's dtype: a CPU
+        keeps K/V in bf16 unless a dtype was asked for (an fp32 model's cache rows widen
+        exactly to fp32 inside attention, and attention reads half the bytes)."""
+        if self.kv_cache_dtype == "auto" and device.type == "cpu" and self.dtype == "auto":
+            return "bfloat16"
+        return self.kv_cache_dtype
 
     def resolve_enforce_eager(self, device: torch.device) -> bool:
         if self.enforce_eager is not None:

@@ -118,10 +118,11 @@ def unrotated() -> Iterator[None]:
 
 def measure_model(
     name: str, path: Path, ids: list[int], windows: int, bos: int | None, rotated: bool,
-    coded: str,
+    coded: str, base: str = "auto",
 ) -> dict:  # fmt: skip
-    """A coded cache (`coded`: int8, fp8_e4m3, fp8_e5m2) against the model-dtype cache: on
-    the native step (rotated rows) or, unrotated, both engines on the PyTorch layers."""
+    """A coded cache (`coded`: int8, fp8_e4m3, fp8_e5m2; or bfloat16) against the `base`
+    cache (the engine's default): on the native step (rotated rows) or, unrotated, both
+    engines on the PyTorch layers."""
 
     def engine(cache: str) -> LLM:
         llm = LLM(model=str(path), max_model_len=CONTEXT + 64, kv_cache_dtype=cache,
@@ -131,7 +132,7 @@ def measure_model(
         return llm
 
     with contextlib.nullcontext() if rotated else unrotated():
-        row = _measure(name, engine("auto"), engine(coded), ids, windows, bos, rotated)
+        row = _measure(name, engine(base), engine(coded), ids, windows, bos, rotated)
     return {**row, "coded": coded}
 
 
@@ -168,6 +169,7 @@ def _measure(
         "rotated": rotated,
         "path": "native step" if rotated else "PyTorch layers",
         "cache_dtype": base.llm_engine.runner.kv_format.name,
+        "model_dtype": str(base.llm_engine.runner.dtype).removeprefix("torch."),
         "scored_tokens": scored,
         "ppl_base": ppl_base,
         "ppl_int8": ppl_int8,

@@ -23,7 +23,6 @@ from results import command_line, write_results
 from revision_build import ROOT
 
 from forklift.bench.report import cpu_flags
-from forklift.cpu import cpu_has_fast_bf16
 
 CONTEXT = 4096
 # layers x (K, V) x KV heads x head size: values a token's K/V take in the cache
@@ -57,16 +56,14 @@ print("RESULT " + json.dumps({
 """
 
 
-def kv_value_bytes() -> int:
-    """The cache's element size as forklift serves by default: bf16 where the CPU computes
-    bf16 fast, else fp32 (an AVX2-only CPU)."""
-    return 2 if cpu_has_fast_bf16() else 4
+# The cache's element size as forklift serves by default on every CPU: bf16.
+KV_VALUE_BYTES = 2
 
 
 def forklift_run(model: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(CONTEXT),
-         str((CONTEXT + 32) * KV_VALUES_PER_TOKEN_3B * kv_value_bytes())],  # (+ the null block)
+         str((CONTEXT + 32) * KV_VALUES_PER_TOKEN_3B * KV_VALUE_BYTES)],  # (+ the null block)
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
@@ -139,7 +136,7 @@ def main() -> None:
         "(llama-bench pp512); decode: 64 tokens after it (llama-bench tg64, from an empty "
         "context). Resident memory: after one request (llama-server -c 4096 -np 1, its "
         "fp16 cache; forklift with a KV cache of 4096 tokens in "
-        f"{'bf16' if kv_value_bytes() == 2 else 'fp32, as it serves on this CPU'}).",
+        "bf16).",
         "",
         "| what | forklift | llama.cpp | ratio |",
         "|---|---|---|---|",

@@ -118,7 +118,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             allow_cross_node=config.allow_cross_node_tensor_parallel,
             quantization=quantization,
             decode_backend=config.decode_backend,
-            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype=config.resolve_kv_cache_dtype(device),
         ),
     )
     runner = ModelRunner(
@@ -142,7 +142,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         decode_backend=config.decode_backend,
         lora=lora,
         batch_invariant=config.batch_invariant,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=config.resolve_kv_cache_dtype(device),
     )
     draft_runner = None
     if draft is not None:

@@ -1,6 +1,8 @@
 """How the paged KV cache stores a row (one token's K or V for one KV head).
 
-`auto` keeps rows in the model's dtype. `int8` keeps each row as head_dim int8 codes
+`auto` keeps rows in the model's dtype (the engine settles it to `bfloat16` on a CPU when
+no dtype was asked for: EngineConfig.resolve_kv_cache_dtype); `bfloat16` and `float32` keep
+them in that dtype whatever the model computes in. `int8` keeps each row as head_dim int8 codes
 followed by its float32 scale (the row's largest magnitude over 127), head_dim + 4 bytes
 instead of 2 * head_dim: about twice the tokens in the same memory, and half the bytes a
 decode step reads. The layout costs what llama.cpp's q8_0 costs (a 4-byte scale per 64
@@ -46,6 +48,9 @@ CODE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+# Caches of plain values in a dtype of their own (the model may compute in another: rows
+# are converted as they are written and widened to fp32 as attention reads them).
+PLAIN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -54,7 +59,7 @@ _NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2
 class KVCacheFormat:
     """A resolved cache dtype: what the cache tensor holds per row."""
 
-    name: str  # "int8", "fp8_e4m3", "fp8_e5m2", or the model dtype's name for "auto"
+    name: str  # "int8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float32" ("auto": the model's)
     storage: torch.dtype  # the cache tensor's dtype
 
     @property
@@ -74,6 +79,8 @@ def kv_cache_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFor
     if kv_cache_dtype in CODE_DTYPES:
         storage = CODE_DTYPES[kv_cache_dtype]
         return KVCacheFormat(_NAMES[storage], storage)
+    if kv_cache_dtype in PLAIN_DTYPES:
+        return KVCacheFormat(kv_cache_dtype, PLAIN_DTYPES[kv_cache_dtype])
     return KVCacheFormat(str(model_dtype).removeprefix("torch."), model_dtype)
 
 

@@ -28,7 +28,7 @@ from forklift.model.llama import LayerCache, LlamaForCausalLM
 from forklift.model.model_config import ModelConfig
 from forklift.model.mtp_layer import MultiTokenPredictor
 from forklift.model.qwen3_5 import Qwen3_5ForCausalLM
-from forklift.native.decode_attention_kernel import CACHE_FORMATS, CODED_CACHE_DTYPES
+from forklift.native.decode_attention_kernel import CACHE_FORMATS
 from forklift.native.decode_step import (
     LAYER_ATTENTION,
     LAYER_LINEAR,
@@ -314,10 +314,8 @@ def _attention_layer(
     cache, rotary table and LoRA slots."""
     attn, mlp = layer.self_attn, layer.mlp
     keys, values = cache
-    if (keys.dtype != dtype and keys.dtype not in CODED_CACHE_DTYPES) or (
-        values.dtype != keys.dtype
-    ):
-        raise ValueError("the native decode step needs the KV cache in the model's dtype or coded")
+    if keys.dtype not in CACHE_FORMATS or values.dtype != keys.dtype:
+        raise ValueError("the native decode step needs the KV cache in bf16, fp32 or coded")
     # Gemma: post_attention_layernorm norms attention's output, and the MLP's input norm is
     # pre_feedforward_layernorm; Llama's post_attention_layernorm is the latter.
     pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm

@@ -113,7 +113,7 @@ def load_draft_runner(
         quantization=quantization_plan(draft.source, draft.checkpoint, method),
         decode_backend=config.decode_backend,
         batch_invariant=config.batch_invariant,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=config.resolve_kv_cache_dtype(device),
     )
 
 

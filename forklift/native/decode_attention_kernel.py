@@ -3,10 +3,10 @@
 The kernel reads keys and values straight from the paged cache through the block table,
 as the compiled in-place kernel does, but as one call into plain C: no guard checks and no
 graph wrapper per layer, one fp32 widening per loaded row shared by a KV head's query heads,
-and masked positions skipped. Same arguments and result as `DecodeKernel`; the cache in the
-queries' dtype or coded (int8 or fp8 rows with a scale each, model/kv_cache_dtype.py),
-widened inside the kernel. The kernel reads rows as stored: its caller rotates queries and
-outputs for a rotated cache.
+and masked positions skipped. Same arguments and result as `DecodeKernel`; the cache in
+bf16 or fp32 whatever the queries' dtype, or coded (int8 or fp8 rows with a scale each,
+model/kv_cache_dtype.py), widened inside the kernel. The kernel reads rows as stored: its
+caller rotates queries and outputs for a rotated cache.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ class NativeDecodeAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """CPU tensors, queries in bf16 or fp32 and the cache in their dtype or int8, the
-        cache contiguous."""
+        """CPU tensors, queries in bf16 or fp32 and the cache in either (whatever the
+        queries' dtype) or coded, the cache contiguous."""
         return (
             key_cache.device.type == "cpu"
             and q.dtype in _DTYPE_FLAGS
-            and (key_cache.dtype == q.dtype or key_cache.dtype in CODED_CACHE_DTYPES)
+            and key_cache.dtype in CACHE_FORMATS
             and key_cache.is_contiguous()
         )
 

@@ -23,19 +23,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-# Each architecture on int4 blocks; three also as dense bf16 weights on AMX tiles.
+# Each architecture on int4 blocks; two also over a bf16 KV cache (the CPU default where
+# the model computes in fp32); three also as dense bf16 weights on AMX tiles.
 FORMS = {
     "int4": dict(dtype="float32", quantization="int4"),
+    "int4-kv-bf16": dict(dtype="float32", quantization="int4", kv_cache_dtype="bfloat16"),
     "bf16": dict(dtype="bfloat16", quantization="none"),
 }
 DENSE_TILES = native_build.find_compiler() is not None and DenseMatmulKernel.load() is not None
-TINY = [(arch, "int4") for arch in ARCHS] + [
-    pytest.param(
-        (arch, "bf16"),
-        marks=pytest.mark.skipif(not DENSE_TILES, reason="no AMX tiles (or no C compiler)"),
-    )
-    for arch in ("llama", "qwen3", "gemma3")
-]
+TINY = (
+    [(arch, "int4") for arch in ARCHS]
+    + [(arch, "int4-kv-bf16") for arch in ("llama", "gemma3")]
+    + [
+        pytest.param(
+            (arch, "bf16"),
+            marks=pytest.mark.skipif(not DENSE_TILES, reason="no AMX tiles (or no C compiler)"),
+        )
+        for arch in ("llama", "qwen3", "gemma3")
+    ]
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
 

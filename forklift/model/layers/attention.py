@@ -78,6 +78,8 @@ def write_kv(
         key = quantize_rows(key, key_cache.dtype).view(torch.uint8)
         value = quantize_rows(value, value_cache.dtype).view(torch.uint8)
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    else:  # a cache in a dtype of its own (bf16 under an fp32 model)
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     kv_heads, row = key.shape[1], key.shape[2]
     key_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, key.transpose(0, 1))
     value_cache.view(kv_heads, -1, row).index_copy_(1, slot_mapping, value.transpose(0, 1))

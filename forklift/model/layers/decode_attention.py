@@ -97,7 +97,7 @@ def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -
     kv_heads, num_blocks, block_size, row = cache.shape
     rows = cache.view(kv_heads, num_blocks, block_size * row).index_select(1, blocks.reshape(-1))
     rows = rows.view(kv_heads, blocks.shape[0], -1, row)
-    return dequantize_rows(rows, dtype) if is_quantized_cache(cache) else rows
+    return dequantize_rows(rows, dtype) if is_quantized_cache(cache) else rows.to(dtype)
 
 
 @functools.cache

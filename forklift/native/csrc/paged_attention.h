@@ -364,25 +364,35 @@ static inline __attribute__((always_inline)) void accumulate_values(
         memcpy(acc + (first + h) * head_dim, sums[h], sizeof(float) * (size_t)head_dim);
 }
 
-/* Live positions whose fp32 value rows (64 values of each: one slice) stay in L1 while every
+/* Live positions whose value rows (64 values of each: one slice) stay in L1 while every
  * query vector of a task reads them. */
-#define FP32_VALUE_CHUNK 64
+#define PLAIN_VALUE_CHUNK 64
 
-/* acc[j, :] = sum_t p[j, t] * V[t] for all `count` vectors over the live positions, V an fp32
- * cache of head_dim a multiple of 64. Chunk by chunk of live positions, eight 8-lane
- * registers of sums stay put across the chunk: two vectors' sums for a 32-value half slice
- * (an odd count's last vector: its own for a 64-value slice). Added onto their row of acc
- * one position at a time, in position order, they cost a load and a store per product and
- * the stores bound the pass. Every sum still takes its products in position order, fused as
- * before, so the same bits. */
-static inline __attribute__((always_inline)) void accumulate_fp32_values(
+/* Eight values of a plain cache row as fp32: a load, or bf16 zero-extended and shifted. */
+static inline float8_vector load_value8(const char *row, int64_t d, int is_bf16) {
+    if (is_bf16) return widen8_bf16((const uint16_t *)row + d);
+    float8_vector v;
+    memcpy(&v, (const float *)row + d, sizeof v);
+    return v;
+}
+
+/* acc[j, :] = sum_t p[j, t] * V[t] for all `count` vectors over the live positions, V a plain
+ * cache (fp32, or bf16 widened on the fly) of head_dim a multiple of 64, in 8-lane registers
+ * (the 16-lane accumulate_values spills them where registers hold eight floats). Chunk by
+ * chunk of live positions, eight 8-lane registers of sums stay put across the chunk: two
+ * vectors' sums for a 32-value half slice (an odd count's last vector: its own for a
+ * 64-value slice). Added onto their row of acc one position at a time, in position order,
+ * they cost a load and a store per product and the stores bound the pass. Every sum takes
+ * its products in position order, fused, as accumulate_values does: the same bits. */
+static inline __attribute__((always_inline)) void accumulate_plain_values(
     float *acc, const float *scores, const char *v_head, const int64_t *slots,
-    const int64_t *live, int64_t num_live, int64_t width, int64_t count, int64_t head_dim) {
-    const size_t row_bytes = (size_t)head_dim * sizeof(float);
+    const int64_t *live, int64_t num_live, int64_t width, int64_t count, int64_t head_dim,
+    int is_bf16) {
+    const size_t row_bytes = (size_t)head_dim * (is_bf16 ? 2 : 4);
     memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
-    for (int64_t c0 = 0; c0 < num_live; c0 += FP32_VALUE_CHUNK) {
-        const int64_t c1 = c0 + FP32_VALUE_CHUNK < num_live ? c0 + FP32_VALUE_CHUNK : num_live;
-        for (int64_t i = c1; i < c1 + FP32_VALUE_CHUNK && i < num_live; i++)
+    for (int64_t c0 = 0; c0 < num_live; c0 += PLAIN_VALUE_CHUNK) {
+        const int64_t c1 = c0 + PLAIN_VALUE_CHUNK < num_live ? c0 + PLAIN_VALUE_CHUNK : num_live;
+        for (int64_t i = c1; i < c1 + PLAIN_VALUE_CHUNK && i < num_live; i++)
             prefetch_row(v_head, slots[live[i]], row_bytes);
         /* Two vectors at a time: each value vector loaded serves both (a load per product
          * when one vector took a whole slice). */
@@ -396,11 +406,10 @@ static inline __attribute__((always_inline)) void accumulate_fp32_values(
                 memcpy(sb, ab, sizeof sb);
                 for (int64_t i = c0; i < c1; i++) {
                     const int64_t t = live[i];
-                    const float *row = (const float *)(v_head + (size_t)slots[t] * row_bytes) + d0;
+                    const char *row = v_head + (size_t)slots[t] * row_bytes;
                     const float p = pa[t], q = pb[t];
                     for (int c = 0; c < 4; c++) {
-                        float8_vector v;
-                        memcpy(&v, row + 8 * c, sizeof v);
+                        const float8_vector v = load_value8(row, d0 + 8 * c, is_bf16);
                         sa[c] += p * v;
                         sb[c] += q * v;
                     }
@@ -417,13 +426,9 @@ static inline __attribute__((always_inline)) void accumulate_fp32_values(
                 memcpy(sums, aj, sizeof sums);
                 for (int64_t i = c0; i < c1; i++) {
                     const int64_t t = live[i];
-                    const float *row = (const float *)(v_head + (size_t)slots[t] * row_bytes) + d0;
+                    const char *row = v_head + (size_t)slots[t] * row_bytes;
                     const float p = pj[t];
-                    for (int c = 0; c < 8; c++) {
-                        float8_vector v;
-                        memcpy(&v, row + 8 * c, sizeof v);
-                        sums[c] += p * v;
-                    }
+                    for (int c = 0; c < 8; c++) sums[c] += p * load_value8(row, d0 + 8 * c, is_bf16);
                 }
                 memcpy(aj, sums, sizeof sums);
             }
@@ -621,7 +626,10 @@ static inline __attribute__((always_inline)) int attend_rows(
         total[j] = sum;
     }
 
-    if (format != CACHE_FP32 && (head_dim == 64 || head_dim == 128)) {
+    if ((format == CACHE_FP32 || (format == CACHE_BF16 && LANES < 16)) && head_dim % 64 == 0) {
+        accumulate_plain_values(acc, scores, v_head, slots, live, num_live, width, count,
+                                head_dim, format == CACHE_BF16);
+    } else if (format != CACHE_FP32 && (head_dim == 64 || head_dim == 128)) {
         /* Each pass writes its vectors' sums whole: acc needs no clearing. */
         const int64_t per_pass = 256 / head_dim; /* 16 accumulator vectors a pass */
         for (int64_t j = 0; j < count; j += per_pass) {
@@ -638,9 +646,6 @@ static inline __attribute__((always_inline)) int attend_rows(
                 accumulate_values(acc, scores, v_head, slots, live, num_live, width, j, count,
                                   head_dim, per_pass, CACHE_BF16);
         }
-    } else if (format == CACHE_FP32 && head_dim % 64 == 0) {
-        accumulate_fp32_values(acc, scores, v_head, slots, live, num_live, width, count,
-                               head_dim);
     } else {
         float *row = keys;
         memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));

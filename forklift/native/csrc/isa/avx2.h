@@ -16,6 +16,16 @@ static inline __m256i dot_accumulate(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* Eight bf16 values widened to fp32 in one register: a zero extension from memory and a
+ * shift (GCC's generic conversion extends each half apart and joins them). */
+static inline float8_vector widen8_bf16(const uint16_t *src) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    const __m256i bits = _mm256_slli_epi32(wide, 16);
+    float8_vector out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
 /* n floats copied (a quantized matmul's group of sums): a whole group of eight in one load
  * and one store, not a library call per row. */
 static inline void copy_floats(float *dst, const float *src, int64_t n) {
