@@ -329,7 +329,9 @@ static void attention(const StepModel *m, const StepLayer *layer, const float *q
     int task_failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : task_failed)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t piece = task / m->kv_heads, kv_head = task % m->kv_heads;
+        /* Last pieces first: a prompt chunk's later rows attend to more positions, and the
+         * heaviest tasks taken last leave the other threads waiting. */
+        const int64_t piece = pieces - 1 - task / m->kv_heads, kv_head = task % m->kv_heads;
         const int64_t row = first[piece], count = length[piece];
         /* Common head sizes get their own copy with the size and format constants. */
 #define ATTEND(size, form)                                                                   \
