@@ -63,9 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="how the KV cache stores K/V: auto (the model's dtype), int8, fp8 (fp8_e4m3) or "
-        "fp8_e5m2 (one byte a value and a scale per token and head: about twice the tokens "
-        "in the same memory; int8 the most precise)",
+        help="how the KV cache stores K/V: auto (bf16 on a CPU unless --dtype is given, else "
+        "the model's dtype), bfloat16, float32, int8, fp8 (fp8_e4m3) or fp8_e5m2 (one byte a "
+        "value and a scale per token and head: about twice the tokens in the same memory; "
+        "int8 the most precise)",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)

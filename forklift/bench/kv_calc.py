@@ -14,6 +14,8 @@ from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequenc
 from forklift.core.state_checkpoints import CHECKPOINT_BUDGET_SHARE
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
+# kv_cache_dtype names of plain values (the rest but "auto" are one-byte codes).
+PLAIN_CACHE_DTYPES = ("bfloat16", "float32")
 # A coded cache row's float32 scale after its one-byte codes (model/kv_cache_dtype.py).
 CODE_SCALE_BYTES = 4
 
@@ -30,25 +32,35 @@ class KVShape:
 
 @dataclass(frozen=True)
 class KVRow:
-    """How the cache stores one row (a token's K or V for one KV head): `dtype` values, or
-    with a coded kv_cache_dtype (int8, fp8) one byte a value and a float32 scale."""
+    """How the cache stores one row (a token's K or V for one KV head): `dtype` values (or
+    kv_cache_dtype's, bfloat16 or float32), or with a coded kv_cache_dtype (int8, fp8) one
+    byte a value and a float32 scale."""
 
     dtype: str
     kv_cache_dtype: str = "auto"
 
+    @property
+    def coded(self) -> bool:
+        return self.kv_cache_dtype not in ("auto", *PLAIN_CACHE_DTYPES)
+
+    @property
+    def value_dtype(self) -> str:
+        return self.kv_cache_dtype if self.kv_cache_dtype in PLAIN_CACHE_DTYPES else self.dtype
+
     def bytes(self, head_dim: int) -> int:
-        if self.kv_cache_dtype != "auto":
+        if self.coded:
             return head_dim + CODE_SCALE_BYTES
-        return head_dim * dtype_bytes(self.dtype)
+        return head_dim * dtype_bytes(self.value_dtype)
 
     def formula(self, head_dim: int, num_tokens: int) -> str:
         """head dim x tokens x bytes per element, the scale's bytes added to a coded row."""
-        if self.kv_cache_dtype != "auto":
+        if self.coded:
             return (
                 f"({head_dim} + {CODE_SCALE_BYTES}) x {num_tokens} x 1 ({self.kv_cache_dtype}, "
                 "scale float32)"
             )
-        return f"{head_dim} x {num_tokens} x {dtype_bytes(self.dtype)} ({self.dtype})"
+        size = dtype_bytes(self.value_dtype)
+        return f"{head_dim} x {num_tokens} x {size} ({self.value_dtype})"
 
 
 @dataclass(frozen=True)
@@ -232,7 +244,8 @@ def add_kv_calc_parser(sub: argparse._SubParsersAction) -> None:
     calc.add_argument("--dtype", default="bfloat16", choices=[n for n, _ in DTYPE_BYTES])
     calc.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-        help="the engine's kv_cache_dtype: auto (rows in --dtype), int8 or fp8",
+        help="the engine's kv_cache_dtype: auto (rows in --dtype), bfloat16, float32, int8 "
+        "or fp8",
     )  # fmt: skip
     budget = calc.add_mutually_exclusive_group()
     budget.add_argument("--budget-gib", type=float, default=None)

@@ -67,6 +67,16 @@ def test_kv_calc_counts_an_int8_caches_rows(capsys):
     assert f"tokens: {2**30 // (2 * 16 * 4 * 260 * 16) * 16:,}" in out
 
 
+def test_kv_calc_counts_a_cache_dtype_of_its_own(capsys):
+    """kv_cache_dtype bfloat16 under an fp32 model: two bytes a value, no scale."""
+    args = ["kv-calc", *SEED_SHAPE, "--tokens", "8192", "--dtype", "float32",
+            "--kv-cache-dtype", "bfloat16"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 x 16 x 4 x 256 x 8192 x 2" in out
+    assert "536870912" in out
+
+
 def test_kv_calc_budget_breakdown(capsys):
     args = ["kv-calc", *SEED_SHAPE, "--budget-gib", "1", "--block-size", "16"]
     assert main(args) == 0
