@@ -89,16 +89,22 @@ def paged_attention_reference(q, key_cache, value_cache, blocks, valid, scale):
     return torch.stack(outs)
 
 
-def assert_same_steps(got, want) -> None:
-    """Same tokens; the chosen tokens' logprobs equal to rounding at most steps. A value
-    that lands within rounding error of an int8 step of the activation quantization can
-    round either way in the two paths (about one value in 10^5): that step, and the later
-    ones that attend to its K/V, then differ by a few hundredths."""
+def step_deviations(got, want) -> list[float]:
+    """Two runs' completions (with logprobs): the same tokens, and each chosen token's
+    |logprob difference|, sorted."""
     deviations = []
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         for token, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
             deviations.append(abs(step_a[token].logprob - step_b[token].logprob))
-    deviations.sort()
+    return sorted(deviations)
+
+
+def assert_same_steps(got, want) -> None:
+    """Same tokens; the chosen tokens' logprobs equal to rounding at most steps. A value
+    that lands within rounding error of an int8 step of the activation quantization can
+    round either way in the two paths (about one value in 10^5): that step, and the later
+    ones that attend to its K/V, then differ by a few hundredths."""
+    deviations = step_deviations(got, want)
     assert deviations[-1] < 0.1, deviations[-5:]
     assert deviations[len(deviations) * 3 // 4] < 1e-4, deviations

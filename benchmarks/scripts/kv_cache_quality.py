@@ -87,6 +87,16 @@ class Capture:
         return torch.cat(self.rows)
 
 
+def text_tokens(path: Path, text: str) -> tuple[list[int], int | None]:
+    """`text` in the model's tokens, and the BOS id a window starts with (None unless the
+    model's prompts start with BOS, as Gemma's do: llama-perplexity gives it alike)."""
+    tokenizer = LLM(model=str(path), max_model_len=256,
+                    kv_cache_memory_bytes=2**23).get_tokenizer()  # fmt: skip
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids, bos if bos is not None and tokenizer("a")["input_ids"][0] == bos else None
+
+
 def window_logprobs(llm: LLM, window: list[int]) -> torch.Tensor:
     """[len(window) - 1, vocab]: position i's distribution of token i + 1."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
@@ -221,14 +231,7 @@ def main() -> None:
     models = {"SmolLM2-135M Q4_1": resolve_model(None).path, "Gemma 3 270M Q4_K_M": assemble()}
     rows = []
     for name, path in models.items():
-        tokenizer = LLM(model=str(path), max_model_len=256,
-                        kv_cache_memory_bytes=2**23).get_tokenizer()  # fmt: skip
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        # A model whose prompts start with BOS (Gemma) gets it at each window's start, as
-        # llama-perplexity gives it.
-        bos = tokenizer.bos_token_id
-        starts_with_bos = bos is not None and tokenizer("a")["input_ids"][0] == bos
-        first = bos if starts_with_bos else None
+        ids, first = text_tokens(Path(path), text)
         variants = [("int8", True), ("int8", False), ("fp8_e4m3", True), ("fp8_e5m2", True)]
         for coded, rotated in variants:
             rows.append(measure_model(name, Path(path), ids, args.windows, first, rotated, coded))
