@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forklift.config import EngineConfig
 from forklift.hf_reference import load_hf_model
 from forklift.llm import LLM
 from forklift.lora_request import LoRARequest
@@ -138,6 +139,16 @@ def completion_logprobs(
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), mask
 
 
+def _resolved_dtype(name: str) -> str:
+    """The engine's "auto" settled here: a dtype asked for keeps the KV cache in it too (an
+    "auto" engine on a CPU keeps bf16 K/V under an fp32 model), so the engine's rollouts
+    compute as HF's do in the same dtype."""
+    if name != "auto":
+        return name
+    config = EngineConfig(dtype="auto")
+    return str(config.resolve_dtype(config.resolve_device())).removeprefix("torch.")
+
+
 class GRPOTrainer:
     def __init__(self, config: GRPOConfig, llm: LLM | None = None) -> None:
         config.validate()
@@ -149,7 +160,7 @@ class GRPOTrainer:
         )
         self.llm = llm or LLM(
             model=config.model,
-            dtype=config.rollout_dtype,
+            dtype=_resolved_dtype(config.rollout_dtype),
             quantization="none",
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,

@@ -30,7 +30,7 @@ def warm_up_decode_attention(
     key_cache, value_cache = layer_caches[layer]
     if is_quantized_cache(key_cache):
         return  # an int8 cache's rows are read by gathering (nothing to compile)
-    # Queries come in the cache's dtype, so the cache stands in for them here.
+    # The native kernel takes queries in either dtype over this cache: the cache stands in.
     if kernel.native is not None and kernel.native.supports(key_cache, key_cache):
         return  # the native kernel serves every decode step: nothing to compile
     seqs, width = IN_PLACE_MIN_SEQS, DECODE_MIN_BLOCKS

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from forklift.cli import main
+from forklift.cpu import cpu_has_fast_bf16
 from forklift.rl.grpo import GRPOConfig, group_advantages
 from forklift.rl.tasks import ArithmeticTask, Problem, get_task
 
@@ -69,6 +70,18 @@ def test_quick_grpo_bench(tmp_path, rollout_dtype, ratio_bound):
     assert report["step_speedup"] == pytest.approx(
         summary["hf"]["step_s"] / summary["forklift"]["step_s"]
     )
+
+
+def test_auto_rollouts_keep_the_kv_cache_in_the_dtype_they_compute_in():
+    """An engine left to "auto" keeps bf16 K/V on a CPU even where it computes in fp32; the
+    trainer settles the dtype first, so its rollouts' cache is in the rollout dtype, as the
+    HF side's is."""
+    from forklift.rl.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(GRPOConfig(rollout_dtype="auto", gpu_memory_utilization=0.1))
+    runner = trainer.llm.llm_engine.runner
+    assert trainer.rollout_dtype == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    assert runner.dtype == runner.kv_format.storage == trainer.rollout_dtype
 
 
 @pytest.mark.slow
