@@ -15,7 +15,10 @@ if TYPE_CHECKING:
 # vLLM's option name and values (the subset forklift has kernels for).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 DECODE_BACKENDS = ("auto", "native", "torch")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kv_cache_dtype names of plain values in a dtype of their own; the rest but "auto" are
+# one-byte codes with a scale per row.
+PLAIN_KV_CACHE_DTYPES = ("bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", *PLAIN_KV_CACHE_DTYPES, "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 # Accepted dtype names -> torch's names (torch is imported only to resolve them, so plain

@@ -25,8 +25,8 @@ from revision_build import ROOT
 from forklift.bench.report import cpu_flags
 
 CONTEXT = 4096
-# layers x (K, V) x KV heads x head size: values a token's K/V take in the cache
-KV_VALUES_PER_TOKEN_3B = 28 * 2 * 8 * 128
+# layers x (K, V) x KV heads x head size x bf16 (forklift's cache on every CPU by default)
+KV_BYTES_PER_TOKEN_3B = 28 * 2 * 8 * 128 * 2
 
 # One forklift process: load, one short request, then prefill and decode timings.
 CHILD = r"""
@@ -56,14 +56,10 @@ print("RESULT " + json.dumps({
 """
 
 
-# The cache's element size as forklift serves by default on every CPU: bf16.
-KV_VALUE_BYTES = 2
-
-
 def forklift_run(model: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(CONTEXT),
-         str((CONTEXT + 32) * KV_VALUES_PER_TOKEN_3B * KV_VALUE_BYTES)],  # (+ the null block)
+         str((CONTEXT + 32) * KV_BYTES_PER_TOKEN_3B)],  # (+ the null block)
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))

@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from forklift.config import KV_CACHE_DTYPES
+from forklift.config import KV_CACHE_DTYPES, PLAIN_KV_CACHE_DTYPES
 from forklift.core.kv_cache_manager import blocks_for_tokens, blocks_per_sequence
 from forklift.core.state_checkpoints import CHECKPOINT_BUDGET_SHARE
 
 DTYPE_BYTES = (("bfloat16", 2), ("float16", 2), ("float32", 4))
-# kv_cache_dtype names of plain values (the rest but "auto" are one-byte codes).
-PLAIN_CACHE_DTYPES = ("bfloat16", "float32")
 # A coded cache row's float32 scale after its one-byte codes (model/kv_cache_dtype.py).
 CODE_SCALE_BYTES = 4
 
@@ -41,11 +39,11 @@ class KVRow:
 
     @property
     def coded(self) -> bool:
-        return self.kv_cache_dtype not in ("auto", *PLAIN_CACHE_DTYPES)
+        return self.kv_cache_dtype not in ("auto", *PLAIN_KV_CACHE_DTYPES)
 
     @property
     def value_dtype(self) -> str:
-        return self.kv_cache_dtype if self.kv_cache_dtype in PLAIN_CACHE_DTYPES else self.dtype
+        return self.kv_cache_dtype if self.kv_cache_dtype in PLAIN_KV_CACHE_DTYPES else self.dtype
 
     def bytes(self, head_dim: int) -> int:
         if self.coded:

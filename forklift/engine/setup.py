@@ -101,6 +101,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(source)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    kv_cache_dtype = config.resolve_kv_cache_dtype(device)
     max_model_len = resolve_max_model_len(config, model_config)
     quantization = resolve_quantization(config.quantization, config.dtype, source.format, device)
     tp_workers = start_tensor_parallel(
@@ -118,7 +119,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             allow_cross_node=config.allow_cross_node_tensor_parallel,
             quantization=quantization,
             decode_backend=config.decode_backend,
-            kv_cache_dtype=config.resolve_kv_cache_dtype(device),
+            kv_cache_dtype=kv_cache_dtype,
         ),
     )
     runner = ModelRunner(
@@ -142,7 +143,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         decode_backend=config.decode_backend,
         lora=lora,
         batch_invariant=config.batch_invariant,
-        kv_cache_dtype=config.resolve_kv_cache_dtype(device),
+        kv_cache_dtype=kv_cache_dtype,
     )
     draft_runner = None
     if draft is not None:

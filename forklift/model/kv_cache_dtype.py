@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forklift.config import validate_kv_cache_dtype
+from forklift.config import PLAIN_KV_CACHE_DTYPES, validate_kv_cache_dtype
 
 # The float32 scale's bytes after a row's codes.
 SCALE_BYTES = 4
@@ -50,7 +50,7 @@ CODE_DTYPES = {
 }
 # Caches of plain values in a dtype of their own (the model may compute in another: rows
 # are converted as they are written and widened to fp32 as attention reads them).
-PLAIN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+PLAIN_DTYPES = {name: getattr(torch, name) for name in PLAIN_KV_CACHE_DTYPES}
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 

@@ -13,9 +13,9 @@
  * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
  * embedding are in the model's dtype (bf16 or fp32), the KV cache in bf16 or fp32 (bf16
  * under an fp32 model by default) or in rows of one-byte codes with a scale each
- * (paged_attention.h's coded formats), converted or quantized as they are written. A row running a LoRA
- * adapter adds its slot's delta to each projection it adapts (float32 slots, see
- * lora_add). The residual
+ * (paged_attention.h's coded formats), converted or quantized as they are written. A row
+ * running a LoRA adapter adds its slot's delta to each projection it adapts (float32 slots,
+ * see lora_add). The residual
  * stream and every activation stay in fp32 between operations. Each matmul and the
  * attention fan out over the OpenMP threads torch uses; the small per-row operations run on
  * the calling thread below ROW_PARALLEL_MIN rows, on every thread from there.
