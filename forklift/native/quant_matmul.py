@@ -37,13 +37,14 @@ class QuantMatmulKernel:
         """Whether matmuls of 16 rows or more run on AMX tiles (built for and granted)."""
         return bool(self._library.forklift_quant_tiles_available())
 
-    @property
-    def wide_precise(self) -> bool:
-        """Whether a precise weight takes each activation row as one wide row of codes
-        (csrc/quant_matmul_avx512.h, quantize_wide_row: twelve bits for a q4 weight, the
-        MLP's down projection; sixteen for a q8 one, the LM head) rather than as two int8
-        rows."""
-        return bool(self._library.forklift_quant_wide_precise())
+    def wide_precise(self, form: str) -> bool:
+        """Whether a precise weight of `form` ("int4" or "int8") takes each activation row
+        as one wide row of codes (twelve bits for a q4 weight, the MLP's down projection;
+        sixteen for a q8 one, the LM head) rather than as two int8 rows: both forms with
+        the paired kernels (csrc/quant_matmul_avx512.h), q8 alone on AVX2
+        (csrc/quant_matmul_avx2.h)."""
+        bit = {"int4": 1, "int8": 2}[form]
+        return bool(self._library.forklift_quant_wide_precise() & bit)
 
     @classmethod
     def load(cls, arch: tuple[str, ...] | None = None) -> QuantMatmulKernel | None:

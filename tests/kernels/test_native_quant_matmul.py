@@ -112,7 +112,7 @@ def _precise_reference(kernel: QuantMatmulKernel, form: str, x: torch.Tensor) ->
     """The activations as a precise weight takes them: wide rows where the kernel has them
     (a q4 weight's of twelve-bit codes, a q8 weight's of sixteen), else two int8 rows, the
     quantized row and what its rounding left."""
-    if kernel.wide_precise:
+    if kernel.wide_precise(form):
         return activation_quantized_wide(x, 2047 if form == "int4" else 32639)
     first = activation_quantized(x)
     return first + activation_quantized(x - first)
@@ -131,7 +131,7 @@ def test_precise_activations_equal_their_reference_and_beat_int8(kernel, form):
     build = BlockInt4.from_dense if form == "int4" else BlockInt8.from_dense
     precise, plain = build(weight, kernel, precise=True), build(weight, kernel)
     exact = precise.dequantize()
-    factor = 10 if form == "int4" and kernel.wide_precise else 50
+    factor = 10 if form == "int4" and kernel.wide_precise(form) else 50
     for rows in (1, 3, 8, 9, 12, 16, 40):
         x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)  # uneven blocks, as real ones
         want = (_precise_reference(kernel, form, x).double() @ exact.double().T).float()

@@ -11,12 +11,14 @@ int forklift_quant_tiles_available(void) {
 #endif
 }
 
-/* 1 where a precise weight takes each activation row as one wide row of codes
- * (quantize_wide_row: twelve bits for a q4 weight, sixteen for a q8 one), 0 where as two
- * int8 rows. */
+/* Which precise weights take each activation row as one wide row of codes
+ * (quantize_wide_row: twelve bits for a q4 weight, sixteen for a q8 one) rather than as two
+ * int8 rows: bit 0 q4 weights, bit 1 q8 weights. */
 int forklift_quant_wide_precise(void) {
 #if defined(FORKLIFT_PAIRED_GROUPS)
-    return 1;
+    return 3;
+#elif defined(FORKLIFT_WIDE_Q8_DOTS)
+    return 2;
 #else
     return 0;
 #endif

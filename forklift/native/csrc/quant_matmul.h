@@ -125,7 +125,8 @@ static inline void store_sums(float *out, int64_t out_stride, int64_t row, int64
  * activation rows fold..2 fold - 1 add onto output rows 0..fold - 1 (a precise weight's
  * second halves). */
 static inline void quant_row_group(const QuantWeight *w, int64_t g, const QuantizedRow *x,
-                                   int64_t rows, float *out, int64_t out_stride, int64_t fold) {
+                                   int64_t rows, float *out, int64_t out_stride, int64_t fold,
+                                   int wide) {
     const int64_t blocks = w->k / QK;
     const int is_q4 = w->m != NULL;
     const uint8_t *codes = w->codes + g * blocks * (is_q4 ? 128 : 256);
@@ -146,6 +147,15 @@ static inline void quant_row_group(const QuantWeight *w, int64_t g, const Quanti
         }
         if (is_q4) {
             GROUP_TILE(1)
+#if defined(FORKLIFT_WIDE_Q8_DOTS)
+        } else if (wide) {
+            switch (tile) {
+            case 1: group_tile_q8_wide(codes, d, blocks, x + r0, 1, sums); break;
+            case 2: group_tile_q8_wide(codes, d, blocks, x + r0, 2, sums); break;
+            case 3: group_tile_q8_wide(codes, d, blocks, x + r0, 3, sums); break;
+            default: group_tile_q8_wide(codes, d, blocks, x + r0, 4, sums); break;
+            }
+#endif
         } else {
             GROUP_TILE(0)
         }
@@ -367,6 +377,14 @@ static inline void quantize_rows(const QuantWeight *w, const float *x, int64_t r
         else                                                                               \
             quantize_precise_row(x + (r) * k, k, views, rows, r, w->precise, residual);   \
     } while (0)
+#elif defined(FORKLIFT_WIDE_Q8_DOTS)
+#define QUANTIZE_ROW(r, residual)                                                          \
+    do {                                                                                   \
+        if (wide)                                                                          \
+            quantize_wide_q8_row(x + (r) * k, k, views[r]);                                \
+        else                                                                               \
+            quantize_precise_row(x + (r) * k, k, views, rows, r, w->precise, residual);   \
+    } while (0)
 #else
     (void)wide;
 #define QUANTIZE_ROW(r, residual)                                                          \
@@ -397,6 +415,8 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
     const int64_t k = w->k;
 #if defined(FORKLIFT_PAIRED_GROUPS)
     const int wide = w->precise;
+#elif defined(FORKLIFT_WIDE_Q8_DOTS)
+    const int wide = w->precise && w->m == NULL;
 #else
     const int wide = 0;
 #endif
@@ -511,7 +531,7 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
                     continue;
                 }
 #endif
-                quant_row_group(w, g, slab_views, count, slab_out, w->n, fold);
+                quant_row_group(w, g, slab_views, count, slab_out, w->n, fold, wide);
             }
         }
 #if defined(FORKLIFT_QUANT_TILES)

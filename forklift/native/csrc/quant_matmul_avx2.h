@@ -55,6 +55,91 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
 }
 #endif
 
+#if !defined(FORKLIFT_PAIRED_GROUPS)
+/* Without the paired kernels, a precise q8 weight (the LM head) takes each activation row
+ * as one wide row of sixteen-bit codes, the codes of quant_matmul_avx512.h's
+ * quantize_wide_row (q = round(x / d), d = max |x| / WIDE_Q8_CODE_MAX), stored as int16:
+ * block b's 32 codes at row.q + 64 b. One vpmaddwd multiplies them by the weight's codes
+ * widened to 16 bits: two instructions a row for 32 products where two int8 rows took six
+ * (a batch-32 decode step spent 30% of its time in the LM head), and the same int32 sums
+ * and scaling as the paired kernels' wide rows. */
+#define FORKLIFT_WIDE_Q8_DOTS 1
+#define WIDE_Q8_CODE_MAX 32639.0f
+
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline void quantize_wide_q8_row(const float *x, int64_t k, QuantizedRow row) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4];
+        for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
+        const __m256 top = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_max_ss(half, _mm_movehdup_ps(half));
+        const float d = _mm_cvtss_f32(half) / WIDE_Q8_CODE_MAX;
+        const __m256 inverse = _mm256_set1_ps(block_inverse(d));
+        __m256i q[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256 scaled = _mm256_mul_ps(v[c], inverse);
+            q[c] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(scaled, magic), magic));
+        }
+        /* packs interleave the halves of each pair of vectors: 64-bit lanes 0, 2, 1, 3 */
+        for (int c = 0; c < 4; c += 2)
+            _mm256_storeu_si256((__m256i *)(row.q + 2 * b * QK + 2 * 8 * c),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[c], q[c + 1]),
+                                                         0xd8));
+        row.xd[b] = d;
+        row.xs[b] = 0.0f;
+        row.offset[b] = 0;
+    }
+}
+
+/* group_tile for a q8 weight against wide rows. Chunk c's lower sixteen codes (outputs
+ * 0-3, four inputs each) and upper sixteen (outputs 4-7) widen to 16 bits; one broadcast of
+ * a row's four codes for those inputs multiplies both, each output's two 32-bit lanes then
+ * added at the block's end (vphaddd: lanes for outputs 0, 1, 4, 5, 2, 3, 6, 7, the
+ * scales permuted alike and the sums put back in order once). */
+static inline __attribute__((always_inline)) void group_tile_q8_wide(
+    const uint8_t *codes, const uint16_t *d, int64_t blocks, const QuantizedRow *x, int rows,
+    float *sums) {
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* its own inverse */
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * 256;
+        for (int line = 0; line < 256; line += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * 256 + line);
+        __m256i low[4], high[4];
+        for (int r = 0; r < 4; r++) low[r] = high[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w_low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 32 * c)));
+            const __m256i w_high =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 32 * c + 16)));
+            for (int r = 0; r < rows; r++) {
+                int64_t four;
+                memcpy(&four, x[r].q + 2 * (b * QK + 4 * c), sizeof four);
+                const __m256i xv = _mm256_set1_epi64x(four);
+                low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(w_low, xv));
+                high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(w_high, xv));
+            }
+        }
+        const __m256 wd = _mm256_permutevar8x32_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b))), order);
+        for (int r = 0; r < rows; r++) {
+            const __m256 total = _mm256_cvtepi32_ps(_mm256_hadd_epi32(low[r], high[r]));
+            acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_ps(sums + 8 * r, _mm256_permutevar8x32_ps(acc[r], order));
+}
+#endif
+
 /* Eight output rows (one row group) against `rows` activation rows, at most 4 at a time
  * so the sums stay in registers; sums[r * 8 + i] receives row group lane i. */
 static inline __attribute__((always_inline)) void group_tile(
