@@ -28,6 +28,17 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+/* A value row fetched while the keys are scored, into the outer caches: the value pass
+ * found its rows in memory and stalled on them (a fifth of an AVX2 decode step's
+ * attention samples); the scoring's arithmetic now hides their latency (batch 8 at 564
+ * tokens: attention 1.3x faster). A task's value rows (74 KB at 580 positions of 64 bf16)
+ * fit in a core's L2. */
+static inline void prefetch_row_l2(const char *head, int64_t slot, size_t row_bytes) {
+    const char *start = head + (size_t)slot * row_bytes;
+    for (size_t offset = 0; offset < row_bytes; offset += 64)
+        __builtin_prefetch(start + offset, 0, 2);
+}
+
 /* Sixteen bf16 values widened to fp32 (a zero-extend and a shift, no trip through memory). */
 static inline float16_vector widen_bf16(const uint16_t *src) {
     uint16_16_vector raw;
@@ -589,7 +600,10 @@ static inline __attribute__((always_inline)) int attend_rows(
         int64_t at[4];
         for (int p = 0; p < 4; p++) {
             at[p] = live[i + p < num_live ? i + p : num_live - 1];
-            if (i + PREFETCH_AHEAD + p < num_live) prefetch_row(k_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
+            if (i + PREFETCH_AHEAD + p < num_live) {
+                prefetch_row(k_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
+                prefetch_row_l2(v_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
+            }
             LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
                            head_dim, format);
         }
