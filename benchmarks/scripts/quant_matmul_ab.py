@@ -94,7 +94,8 @@ def main() -> None:
         "# Block matmul: this tree against a baseline revision",
         "",
         f"The default model's LM head shape ({VOCAB} x {HIDDEN} Q8 blocks, precise activations: "
-        f"two int8 rows per row; median of {ROUNDS} rounds x {CALLS} calls) and its {LAYERS} "
+        f"the build's wide rows or two int8 rows per row; median of {ROUNDS} rounds x {CALLS} "
+        f"calls) and its {LAYERS} "
         "layers of projections (Q4 blocks, each layer its own weights; median of "
         f"{ROUNDS} rounds), {torch.get_num_threads()} threads, the two builds alternating.",
         "",

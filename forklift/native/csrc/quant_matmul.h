@@ -97,8 +97,10 @@ static inline float block_inverse(float d) {
  * row of codes (quantize_wide_row), one row's scaling a block: a q4 weight's twelve-bit
  * codes in one integer dot product of 64 bytes, a q8 weight's sixteen-bit ones in two (the
  * high and low bytes, or a tile of eight rows as paired int8 rows, quantize_paired_row: the
- * same integer). Elsewhere each row is two int8 rows, the quantized row and what its
- * rounding left (about 15 bits), scaled one by one. */
+ * same integer). The AVX2 kernels take a q8 weight's rows as the same sixteen-bit codes,
+ * stored as int16 (quantize_wide_q8_row, group_tile_q8_wide: the same integer and scaling).
+ * Elsewhere each row is two int8 rows, the quantized row and what its rounding left (about
+ * 15 bits), scaled one by one. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *d;
