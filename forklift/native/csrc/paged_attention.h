@@ -28,11 +28,11 @@ static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
-/* A value row fetched while the keys are scored, into the outer caches: the value pass
- * found its rows in memory and stalled on them (a fifth of an AVX2 decode step's
- * attention samples); the scoring's arithmetic now hides their latency (batch 8 at 564
- * tokens: attention 1.3x faster). A task's value rows (74 KB at 580 positions of 64 bf16)
- * fit in a core's L2. */
+/* A cache row into L2 only (prefetch_row brings it to L1): the value rows, fetched while
+ * the keys are scored (here and in the tiled form). The value pass had found its rows in
+ * memory and stalled on them (a fifth of an AVX2 decode step's attention samples); the
+ * scoring's arithmetic now hides their latency (batch 8 at 564 tokens: attention 1.3x
+ * faster). A task's value rows (74 KB at 580 positions of 64 bf16) fit in a core's L2. */
 static inline void prefetch_row_l2(const char *head, int64_t slot, size_t row_bytes) {
     const char *start = head + (size_t)slot * row_bytes;
     for (size_t offset = 0; offset < row_bytes; offset += 64)

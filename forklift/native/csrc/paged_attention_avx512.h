@@ -43,12 +43,6 @@
 
 typedef float float16_unaligned __attribute__((vector_size(64), aligned(4)));
 
-/* A cache row into L2 only (prefetch_row brings it to L1). */
-static inline void prefetch_row_l2(const char *head, int64_t slot, size_t row_bytes) {
-    const char *start = head + (size_t)slot * row_bytes;
-    for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 2);
-}
-
 /* Sixteen bf16 values widened to fp32 in one zero-extension and one shift (the generic
  * widen_bf16 compiles to two halves and their joins where GCC prefers 256-bit vectors). */
 static inline float16_vector widen16(const uint16_t *src) {

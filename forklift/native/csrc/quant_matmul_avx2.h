@@ -4,6 +4,19 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX2_H
 #define FORKLIFT_QUANT_MATMUL_AVX2_H
 
+/* The largest magnitude of a block of 32 values held as four vectors (a maximum is exact in
+ * any order). */
+static inline float block_largest(const __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 top = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
 #if !defined(FORKLIFT_HAS_VNNI_256)
 /* group_tile for q4 codes without VNNI (vpmaddubsw): each chunk of a block's codes is
  * unpacked as it is used and taken by every row in turn, each row's block sum one 16-bit
@@ -70,18 +83,12 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_wide_q8_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
     for (int64_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
-        const __m256 top = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_max_ss(half, _mm_movehdup_ps(half));
-        const float d = _mm_cvtss_f32(half) / WIDE_Q8_CODE_MAX;
+        const float d = block_largest(v) / WIDE_Q8_CODE_MAX;
         const __m256 inverse = _mm256_set1_ps(block_inverse(d));
         __m256i q[4];
         for (int c = 0; c < 4; c++) {
@@ -207,7 +214,7 @@ static inline __attribute__((always_inline)) void group_tile(
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
     /* packs leave each 128-bit half's groups of four codes in the order 0, 2, 4, 6 |
      * 1, 3, 5, 7 of the block's eight groups: this puts them back in order. */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -215,13 +222,7 @@ static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
-        const __m256 top = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_max_ss(half, _mm_movehdup_ps(half));
-        const float d = _mm_cvtss_f32(half) / 127.0f;
+        const float d = block_largest(v) / 127.0f;
         const __m256 inverse = _mm256_set1_ps(block_inverse(d));
         __m256i q[4];
         for (int c = 0; c < 4; c++) {
