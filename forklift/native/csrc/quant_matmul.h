@@ -75,6 +75,10 @@ static inline float block_inverse(float d) {
     return reciprocal < INFINITY ? reciprocal : 0.0f;
 }
 
+/* The largest code of a q8 weight's sixteen-bit wide rows: 2^15 - 129, so that
+ * quantize_paired_row's high part (q + 128) >> 8 stays a signed byte as well. */
+#define WIDE_Q8_CODE_MAX 32639.0f
+
 /* This build's kernels, each from the widest instruction set that has one:
  * - quantize_row (an activation row into int8 blocks): AVX-512, AVX2, else plain C;
  * - group_tile (eight outputs against up to four rows): AVX2 (also AVX-512's), else plain C;

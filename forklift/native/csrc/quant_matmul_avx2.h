@@ -77,7 +77,6 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
  * (a batch-32 decode step spent 30% of its time in the LM head), and the same int32 sums
  * and scaling as the paired kernels' wide rows. */
 #define FORKLIFT_WIDE_Q8_DOTS 1
-#define WIDE_Q8_CODE_MAX 32639.0f
 
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
@@ -124,7 +123,8 @@ static inline __attribute__((always_inline)) void group_tile_q8_wide(
         __m256i low[4], high[4];
         for (int r = 0; r < 4; r++) low[r] = high[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
-            const __m256i w_low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 32 * c)));
+            const __m256i w_low =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 32 * c)));
             const __m256i w_high =
                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 32 * c + 16)));
             for (int r = 0; r < rows; r++) {

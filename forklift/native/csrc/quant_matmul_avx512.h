@@ -132,9 +132,6 @@ static inline __m512i join_high_low(__m512i high, __m512i low) {
  * Not contracted, as quantize_row. */
 #define WIDE_Q4_SHIFT 4
 #define WIDE_Q8_SHIFT 8
-/* The largest q8 code: 2^15 - 129, so that quantize_paired_row's high part (q + 128) >> 8
- * stays a signed byte as well. */
-#define WIDE_Q8_CODE_MAX 32639.0f
 
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
