@@ -2,7 +2,8 @@
 model's GGUF file: with --weight down (twelve-bit rows of a q4 weight), 30 layers' down
 projections (576 x 1536, random Q4 blocks) at 1-512 rows; with --weight head (sixteen-bit
 rows of a q8 weight), the LM head's shape (49152 x 576, random Q8 blocks) at 1-64 rows; in
-the AVX2 build (two int8 rows either way) at 1 and 32; then one stream decoding after 564
+the AVX2 build at 1 and 32 (two int8 rows either way up to 4fc5c38, which gave that build
+sixteen-bit rows of a q8 weight of its own); then one stream decoding after 564
 tokens, one 730-token prompt's first token, 4 x 512 prefill, and 8 and 32 sequences
 decoding.
 
