@@ -601,8 +601,9 @@ static inline __attribute__((always_inline)) int attend_rows(
         for (int p = 0; p < 4; p++) {
             at[p] = live[i + p < num_live ? i + p : num_live - 1];
             if (i + PREFETCH_AHEAD + p < num_live) {
-                prefetch_row(k_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
-                prefetch_row_l2(v_head, slots[live[i + PREFETCH_AHEAD + p]], row_bytes);
+                const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
+                prefetch_row(k_head, ahead, row_bytes);
+                prefetch_row_l2(v_head, ahead, row_bytes);
             }
             LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
                            head_dim, format);

@@ -4,17 +4,33 @@
 #ifndef FORKLIFT_QUANT_MATMUL_AVX2_H
 #define FORKLIFT_QUANT_MATMUL_AVX2_H
 
-/* The largest magnitude of a block of 32 values held as four vectors (a maximum is exact in
- * any order). */
-static inline float block_largest(const __m256 v[4]) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+/* A block of 32 values at xb as codes q = round(x / d) in four vectors of int32, with
+ * d = max |x| / code_max returned (quantize_row's and quantize_wide_q8_row's rule): the
+ * largest magnitude (a maximum is exact in any order), one scalar division and reciprocal,
+ * each product rounded before the rounding constant is added (not contracted: see the
+ * attribute). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static inline __attribute__((always_inline)) float round_block_avx2(const float *xb,
+                                                                    float code_max,
+                                                                    __m256i q[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+    __m256 v[4];
+    for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
     const __m256 top = _mm256_max_ps(
         _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     half = _mm_max_ps(half, _mm_movehl_ps(half, half));
     half = _mm_max_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
+    const float d = _mm_cvtss_f32(half) / code_max;
+    const __m256 inverse = _mm256_set1_ps(block_inverse(d));
+    for (int c = 0; c < 4; c++) {
+        const __m256 scaled = _mm256_mul_ps(v[c], inverse);
+        q[c] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(scaled, magic), magic));
+    }
+    return d;
 }
 
 #if !defined(FORKLIFT_HAS_VNNI_256)
@@ -82,18 +98,9 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_wide_q8_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
     for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
-        __m256 v[4];
-        for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
-        const float d = block_largest(v) / WIDE_Q8_CODE_MAX;
-        const __m256 inverse = _mm256_set1_ps(block_inverse(d));
         __m256i q[4];
-        for (int c = 0; c < 4; c++) {
-            const __m256 scaled = _mm256_mul_ps(v[c], inverse);
-            q[c] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(scaled, magic), magic));
-        }
+        const float d = round_block_avx2(x + b * QK, WIDE_Q8_CODE_MAX, q);
         /* packs interleave the halves of each pair of vectors: 64-bit lanes 0, 2, 1, 3 */
         for (int c = 0; c < 4; c += 2)
             _mm256_storeu_si256((__m256i *)(row.q + 2 * b * QK + 2 * 8 * c),
@@ -204,31 +211,20 @@ static inline __attribute__((always_inline)) void group_tile(
 }
 
 #if !defined(FORKLIFT_ISA_AVX512) /* quant_matmul_avx512.h has a 512-bit form */
-/* quantize_row on AVX2 (quant_matmul_plain.h's rule), a block of 32 as four vectors: the
- * same largest magnitude (a maximum is exact in any order), the same scalar division and
- * reciprocal, each product rounded before the rounding constant is added (not contracted:
- * see the attribute), and the codes' sums exact integers in any order: the same codes,
- * scales and sums bit for bit, where one value at a time they took a twentieth of an AVX2
- * CPU's prefill. */
+/* quantize_row on AVX2 (quant_matmul_plain.h's rule), a block of 32 as four vectors
+ * (round_block_avx2), the codes' sums exact integers in any order: the same codes, scales
+ * and sums bit for bit, where one value at a time they took a twentieth of an AVX2 CPU's
+ * prefill. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
 static inline void quantize_row(const float *x, int64_t k, QuantizedRow row) {
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
     /* packs leave each 128-bit half's groups of four codes in the order 0, 2, 4, 6 |
      * 1, 3, 5, 7 of the block's eight groups: this puts them back in order. */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
-        __m256 v[4];
-        for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c);
-        const float d = block_largest(v) / 127.0f;
-        const __m256 inverse = _mm256_set1_ps(block_inverse(d));
         __m256i q[4];
-        for (int c = 0; c < 4; c++) {
-            const __m256 scaled = _mm256_mul_ps(v[c], inverse);
-            q[c] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(scaled, magic), magic));
-        }
+        const float d = round_block_avx2(x + b * QK, 127.0f, q);
         const __m256i codes = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
             order);
