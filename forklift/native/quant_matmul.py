@@ -43,7 +43,10 @@ class QuantMatmulKernel:
         sixteen for a q8 one, the LM head) rather than as two int8 rows: both forms with
         the paired kernels (csrc/quant_matmul_avx512.h), q8 alone on AVX2
         (csrc/quant_matmul_avx2.h)."""
-        bit = {"int4": 1, "int8": 2}[form]
+        bits = {"int4": 1, "int8": 2}
+        if form not in bits:
+            raise ValueError(f"form must be one of {sorted(bits)}, got {form!r}")
+        bit = bits[form]
         return bool(self._library.forklift_quant_wide_precise() & bit)
 
     @classmethod

@@ -142,6 +142,15 @@ def test_precise_activations_equal_their_reference_and_beat_int8(kernel, form):
         assert error < plain_error / factor
 
 
+def test_wide_precise_names_its_form(kernel):
+    """Which forms take wide rows is asked by form name; any other name is refused."""
+    assert isinstance(kernel.wide_precise("int8"), bool)
+    if kernel.wide_precise("int4"):  # the paired kernels widen both forms
+        assert kernel.wide_precise("int8")
+    with pytest.raises(ValueError, match="form"):
+        kernel.wide_precise("q4")
+
+
 def _each_row_alone(
     kernel: QuantMatmulKernel, form: str, precise: bool, n: int, k: int, rows: int, seed: int
 ) -> tuple[BlockInt4 | BlockInt8, torch.Tensor, torch.Tensor]:
