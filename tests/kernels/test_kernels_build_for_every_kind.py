@@ -1,5 +1,6 @@
 """Every native kernel compiles for the instruction sets a CPU may have beyond this machine's
-(AVX-512 without VNNI, with VNNI, and with AMX and AVX512-BF16): an edit that breaks one
+(AVX-512 without VNNI, with VNNI, and with AMX and AVX512-BF16) and for plain x86-64 (the
+C fallbacks of a CPU without AVX2): an edit that breaks one
 kind's build fails here, not on the first machine of that kind, where the loader would
 quietly fall back to the PyTorch kernels. The kinds this machine runs are built and run by
 the other kernel tests; these are compiled only (unoptimised, which still inlines every
@@ -15,6 +16,7 @@ import pytest
 from forklift.native.build import COMPILE_FLAGS, NATIVE_SOURCE_DIR, find_compiler
 
 TARGETS = {
+    "x86-64": ("-march=x86-64",),
     "avx512": ("-march=skylake-avx512", "-mprefer-vector-width=512"),
     "avx512-vnni": ("-march=icelake-server", "-mprefer-vector-width=512"),
     "sapphire-rapids": ("-march=sapphirerapids", "-mprefer-vector-width=512"),

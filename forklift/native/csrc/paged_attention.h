@@ -313,6 +313,89 @@ static inline void vector_dot4(const float *a, const float *keys, int64_t n, flo
     for (int p = 0; p < 4; p++) score[p] = total[2 * p];
 }
 
+/* An eight-float vector kept in a register from here on: GCC folds each use of a loaded
+ * vector into a load of its own, and the loops below are bound by loads. Nothing where
+ * such vectors have no register of their own. */
+#if defined(FORKLIFT_ISA_AVX2)
+#define HOLD_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define HOLD_IN_REGISTER(v) ((void)0)
+#endif
+
+/* Query vectors from which an eight-lane task scores sixteen positions at a time against
+ * keys laid out dimension-major (score_transposed) and widens its value rows once
+ * (accumulate_widened_values): both cost a fixed amount per position, which a few vectors
+ * (a decode row's G) would not earn back, and both give the bits of the paths below it. */
+#define TRANSPOSED_KEYS_MIN_QUERIES 16
+
+/* Eight rows of n floats (n a multiple of 8), row p at rows + p * n, transposed into
+ * out[d * 8 + p]: eight by eight through two levels of in-lane shuffles and one of
+ * half swaps. */
+static inline void transpose_eight_rows(const float *rows, int64_t n, float *out) {
+    for (int64_t d = 0; d < n; d += 8) {
+        float8_vector r[8];
+        for (int p = 0; p < 8; p++) memcpy(&r[p], rows + p * n + d, sizeof r[p]);
+        float8_vector t[8], u[8];
+        for (int p = 0; p < 8; p += 2) {
+            t[p] = SHUFFLE8(r[p], r[p + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+            t[p + 1] = SHUFFLE8(r[p], r[p + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+        }
+        for (int p = 0; p < 8; p += 4)
+            for (int h = 0; h < 2; h++) {
+                u[p + h] = SHUFFLE8(t[p + h], t[p + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+                u[p + h + 2] = SHUFFLE8(t[p + h], t[p + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+            }
+        /* u[0]: dims d, d+4 of rows 0-3 | u[4]: the same of rows 4-7, and so on */
+        const int order[4] = {0, 2, 1, 3};
+        for (int i = 0; i < 4; i++) {
+            const float8_vector a = u[order[i]], b = u[order[i] + 4];
+            const float8_vector low = SHUFFLE8(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+            const float8_vector high = SHUFFLE8(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+            memcpy(out + (d + i) * 8, &low, sizeof low);
+            memcpy(out + (d + i + 4) * 8, &high, sizeof high);
+        }
+    }
+}
+
+/* vector_dot4's scores of two query vectors against sixteen keys at once, keys transposed
+ * in two sets of eight (kt[0], kt[1]: transpose_eight_rows), a key to a lane: each score
+ * takes exactly vector_dot's products and sums (lane l's even and odd chains over dims
+ * 16c + l and 16c + 8 + l, fused, then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))),
+ * so a position's score is the same bits whichever way its task scores it, and no
+ * horizontal sums are left to do. Each key vector loaded serves both queries and each
+ * query value broadcast both key vectors: a load per product. totals[2 q + h]: query q's
+ * scores of keys 8h .. 8h + 7. */
+static inline __attribute__((always_inline)) void score_sixteen_keys(
+    const float *const queries[2], const float *const kt[2], int64_t head_dim,
+    float8_vector totals[4]) {
+    float8_vector lane_sums[8][4];
+    for (int l = 0; l < 8; l++) {
+        float8_vector even[4] = {{0}}, odd[4] = {{0}};
+        for (int64_t c = 0; c < head_dim / 16; c++) {
+            const int64_t de = 16 * c + l, dodd = de + 8;
+            float8_vector ke[2], ko[2];
+            for (int h = 0; h < 2; h++) {
+                memcpy(&ke[h], kt[h] + de * 8, sizeof ke[h]);
+                memcpy(&ko[h], kt[h] + dodd * 8, sizeof ko[h]);
+                HOLD_IN_REGISTER(ke[h]);
+                HOLD_IN_REGISTER(ko[h]);
+            }
+            for (int q = 0; q < 2; q++) {
+                const float qe = queries[q][de], qo = queries[q][dodd];
+                for (int h = 0; h < 2; h++) {
+                    even[2 * q + h] += qe * ke[h];
+                    odd[2 * q + h] += qo * ko[h];
+                }
+            }
+        }
+        for (int i = 0; i < 4; i++) lane_sums[l][i] = even[i] + odd[i];
+    }
+    for (int i = 0; i < 4; i++)
+        totals[i] =
+            ((lane_sums[0][i] + lane_sums[4][i]) + (lane_sums[1][i] + lane_sums[5][i])) +
+            ((lane_sums[2][i] + lane_sums[6][i]) + (lane_sums[3][i] + lane_sums[7][i]));
+}
+
 /* The dot product of two rows of n floats, for head sizes that are not a multiple of 16. */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
@@ -528,6 +611,119 @@ static inline __attribute__((always_inline)) void score_four(
     }
 }
 
+/* accumulate_plain_values for a task of many query vectors (at least
+ * TRANSPOSED_KEYS_MIN_QUERIES, head sizes a multiple of 16): each chunk of live positions'
+ * value rows is widened to fp32 once into `widened` ([PLAIN_VALUE_CHUNK, D]), where every
+ * vector's pass reads it from L1; widened on the fly, each row was widened again for every
+ * pair of vectors. Four vectors' sums of a sixteen-value slice stay in registers across the
+ * chunk, each value vector loaded serving all four. The same products, fused, in the same
+ * position order: the same bits. */
+static inline __attribute__((always_inline)) void accumulate_widened_values(
+    float *acc, const float *scores, const char *v_head, const int64_t *slots,
+    const int64_t *live, int64_t num_live, int64_t width, int64_t count, int64_t head_dim,
+    int is_bf16, float *widened) {
+    const size_t row_bytes = (size_t)head_dim * (is_bf16 ? 2 : 4);
+    memset(acc, 0, sizeof(float) * (size_t)(count * head_dim));
+    for (int64_t c0 = 0; c0 < num_live; c0 += PLAIN_VALUE_CHUNK) {
+        const int64_t c1 = c0 + PLAIN_VALUE_CHUNK < num_live ? c0 + PLAIN_VALUE_CHUNK : num_live;
+        for (int64_t i = c1; i < c1 + PLAIN_VALUE_CHUNK && i < num_live; i++)
+            prefetch_row(v_head, slots[live[i]], row_bytes);
+        for (int64_t i = c0; i < c1; i++)
+            LOAD_ROW(widened + (i - c0) * head_dim, v_head + (size_t)slots[live[i]] * row_bytes,
+                     head_dim, is_bf16);
+        for (int64_t j = 0; j < count; j += 4) {
+            const float *p[4];
+            int64_t rows[4];
+            for (int q = 0; q < 4; q++) {
+                rows[q] = j + q < count ? j + q : count - 1; /* repeats store the same sums */
+                p[q] = scores + rows[q] * width;
+            }
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+                float8_vector sums[4][2];
+                for (int q = 0; q < 4; q++)
+                    memcpy(sums[q], acc + rows[q] * head_dim + d0, sizeof sums[q]);
+                for (int64_t i = c0; i < c1; i++) {
+                    const int64_t t = live[i];
+                    float8_vector v0, v1;
+                    memcpy(&v0, widened + (i - c0) * head_dim + d0, sizeof v0);
+                    memcpy(&v1, widened + (i - c0) * head_dim + d0 + 8, sizeof v1);
+                    HOLD_IN_REGISTER(v0); /* loaded once for the four vectors */
+                    HOLD_IN_REGISTER(v1);
+                    for (int q = 0; q < 4; q++) {
+                        const float weight = p[q][t];
+                        sums[q][0] += weight * v0;
+                        sums[q][1] += weight * v1;
+                    }
+                }
+                for (int q = 0; q < 4; q++)
+                    memcpy(acc + rows[q] * head_dim + d0, sums[q], sizeof sums[q]);
+            }
+        }
+    }
+}
+
+/* The scores of a task's `count` query vectors (at least TRANSPOSED_KEYS_MIN_QUERIES, head
+ * sizes a multiple of 16, eight-lane builds) at its live positions, sixteen positions at a
+ * time: their key rows widened into keys[0 .. 16 D) and transposed eight by eight into
+ * keys[16 D .. 32 D), then two query vectors at a time score them (score_sixteen_keys:
+ * score_four's bits). A query's eight scores of a set get its row's bias and are stored as
+ * one vector where the positions run on (a last partial sixteen repeats its final
+ * position, which writes the same score again). As score_four leaves them: scores[j, t]
+ * and each vector's maximum. */
+static inline __attribute__((always_inline)) void score_transposed(
+    const float *queries, int64_t count, float *keys, const char *k_head, const char *v_head,
+    const int64_t *slots, const int64_t *live, int64_t num_live, const float *const *row_bias,
+    int64_t group, float scale, int64_t head_dim, int64_t width, size_t row_bytes, int format,
+    float *scores, float *max_score) {
+    const float *const kt[2] = {keys + 16 * head_dim, keys + 24 * head_dim};
+    for (int64_t i = 0; i < num_live; i += 16) {
+        int64_t at[16];
+        for (int p = 0; p < 16; p++) {
+            at[p] = live[i + p < num_live ? i + p : num_live - 1];
+            if (i + PREFETCH_AHEAD + p < num_live) {
+                const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
+                prefetch_row(k_head, ahead, row_bytes);
+                prefetch_row_l2(v_head, ahead, row_bytes);
+            }
+            LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
+                           head_dim, format);
+        }
+        for (int h = 0; h < 2; h++)
+            transpose_eight_rows(keys + 8 * h * head_dim, head_dim, (float *)kt[h]);
+        int runs_on[2];
+        for (int h = 0; h < 2; h++) runs_on[h] = at[8 * h + 7] - at[8 * h] == 7;
+        for (int64_t j0 = 0; j0 < count; j0 += 2) {
+            const float *const two[2] = {queries + j0 * head_dim,
+                                         queries + (j0 + 1 < count ? j0 + 1 : j0) * head_dim};
+            float8_vector totals[4];
+            score_sixteen_keys(two, kt, head_dim, totals);
+            for (int q = 0; q < 2 && j0 + q < count; q++) {
+                const int64_t j = j0 + q;
+                const float *b = row_bias[j / group];
+                float *sj = scores + j * width;
+                float most = max_score[j];
+                for (int h = 0; h < 2; h++) {
+                    const int64_t *set = at + 8 * h;
+                    if (runs_on[h]) {
+                        float8_vector bias;
+                        memcpy(&bias, b + set[0], sizeof bias);
+                        const float8_vector s = totals[2 * q + h] * scale + bias;
+                        memcpy(sj + set[0], &s, sizeof s);
+                        for (int p = 0; p < 8; p++) most = s[p] > most ? s[p] : most;
+                    } else {
+                        for (int p = 0; p < 8; p++) {
+                            const float s = totals[2 * q + h][p] * scale + b[set[p]];
+                            sj[set[p]] = s;
+                            most = s > most ? s : most;
+                        }
+                    }
+                }
+                max_score[j] = most;
+            }
+        }
+    }
+}
+
 /* Attention of `num_rows` consecutive rows that read the same blocks (one sequence: its
  * decode row, or the rows verifying its drafts) for one KV head. The rows' G query heads
  * each are `count = num_rows * G` query vectors sharing every key and value row loaded,
@@ -543,7 +739,8 @@ static inline __attribute__((always_inline)) int attend_rows(
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     const size_t io_elem = io_bf16 ? 2 : 4;
-    const size_t floats = (size_t)(count * width + 2 * count * head_dim + 4 * head_dim);
+    const size_t floats =
+        (size_t)(count * width + 2 * count * head_dim + PLAIN_VALUE_CHUNK * head_dim);
     float *buffer = malloc(sizeof(float) * floats);
     /* slots, live, then one flag a position: whether any row attends to it */
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(2 * width + 4) + (size_t)width);
@@ -555,7 +752,8 @@ static inline __attribute__((always_inline)) int attend_rows(
     float *scores = buffer;                       /* [count, width] */
     float *queries = scores + count * width;      /* [count, D] */
     float *acc = queries + count * head_dim;      /* [count, D] */
-    float *keys = acc + count * head_dim;         /* [4, D] */
+    /* [16, D], then two [D, 8]; after scoring, widened value rows [PLAIN_VALUE_CHUNK, D] */
+    float *keys = acc + count * head_dim;
     int64_t *live = slots + width;                /* positions any row attends to */
     const float *row_bias[num_rows];
     for (int64_t r = 0; r < num_rows; r++) row_bias[r] = bias + (first_row + r) * width;
@@ -594,22 +792,27 @@ static inline __attribute__((always_inline)) int attend_rows(
 
     float max_score[count];
     for (int64_t j = 0; j < count; j++) max_score[j] = -INFINITY;
-    /* Four live positions at a time; a last partial four repeats its final position (the
-     * repeat writes the same score again). */
-    for (int64_t i = 0; i < num_live; i += 4) {
-        int64_t at[4];
-        for (int p = 0; p < 4; p++) {
-            at[p] = live[i + p < num_live ? i + p : num_live - 1];
-            if (i + PREFETCH_AHEAD + p < num_live) {
-                const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
-                prefetch_row(k_head, ahead, row_bytes);
-                prefetch_row_l2(v_head, ahead, row_bytes);
+    if (LANES < 16 && head_dim % 16 == 0 && count >= TRANSPOSED_KEYS_MIN_QUERIES) {
+        score_transposed(queries, count, keys, k_head, v_head, slots, live, num_live, row_bias,
+                         group, scale, head_dim, width, row_bytes, format, scores, max_score);
+    } else {
+        /* Four live positions at a time; a last partial four repeats its final position (the
+         * repeat writes the same score again). */
+        for (int64_t i = 0; i < num_live; i += 4) {
+            int64_t at[4];
+            for (int p = 0; p < 4; p++) {
+                at[p] = live[i + p < num_live ? i + p : num_live - 1];
+                if (i + PREFETCH_AHEAD + p < num_live) {
+                    const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
+                    prefetch_row(k_head, ahead, row_bytes);
+                    prefetch_row_l2(v_head, ahead, row_bytes);
+                }
+                LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
+                               head_dim, format);
             }
-            LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
-                           head_dim, format);
+            score_four(queries, count, keys, at, row_bias, group, scale, head_dim, width, scores,
+                       max_score);
         }
-        score_four(queries, count, keys, at, row_bias, group, scale, head_dim, width, scores,
-                   max_score);
     }
 
     float total[count];
@@ -641,7 +844,12 @@ static inline __attribute__((always_inline)) int attend_rows(
         total[j] = sum;
     }
 
-    if ((format == CACHE_FP32 || (format == CACHE_BF16 && LANES < 16)) && head_dim % 64 == 0) {
+    if (LANES < 16 && (format == CACHE_FP32 || format == CACHE_BF16) && head_dim % 16 == 0 &&
+        count >= TRANSPOSED_KEYS_MIN_QUERIES) {
+        accumulate_widened_values(acc, scores, v_head, slots, live, num_live, width, count,
+                                  head_dim, format == CACHE_BF16, keys);
+    } else if ((format == CACHE_FP32 || (format == CACHE_BF16 && LANES < 16)) &&
+               head_dim % 64 == 0) {
         accumulate_plain_values(acc, scores, v_head, slots, live, num_live, width, count,
                                 head_dim, format == CACHE_BF16);
     } else if (format != CACHE_FP32 && (head_dim == 64 || head_dim == 128)) {
