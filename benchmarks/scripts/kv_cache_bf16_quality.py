@@ -19,6 +19,7 @@ from kv_cache_quality import (
     GREEDY_PROMPTS,
     GREEDY_TOKENS,
     held_out_text,
+    measure_cells,
     measure_model,
     text_tokens,
 )
@@ -59,11 +60,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['model_dtype']} | {r['ppl_base']:.4f} | {r['ppl_int8']:.4f} | "
-            f"{r['ppl_ratio']:.5f} | {r['mean_kl']:.6f} | {100 * r['same_top_token']:.2f}% | "
-            f"{r['greedy_close']} |"
-        )
+        lines.append(f"| {r['model']} | {r['model_dtype']} | {measure_cells(r)}")
     lines.append("")
     report = {"rows": rows, "context": CONTEXT, "cpu_flags": cpu_flags()}
     write_results(args.out, "kv-cache-bf16-quality", report, lines,

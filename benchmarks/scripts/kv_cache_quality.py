@@ -146,6 +146,15 @@ def measure_model(
     return {**row, "coded": coded}
 
 
+def measure_cells(row: dict) -> str:
+    """A measured row's table cells from its perplexities on: base and candidate PPL, their
+    ratio, mean KL, same top token, greedy close."""
+    return (
+        f"{row['ppl_base']:.4f} | {row['ppl_int8']:.4f} | {row['ppl_ratio']:.5f} | "
+        f"{row['mean_kl']:.6f} | {100 * row['same_top_token']:.2f}% | {row['greedy_close']} |"
+    )
+
+
 def _measure(
     name: str, base: LLM, int8: LLM, ids: list[int], windows: int, bos: int | None, rotated: bool
 ) -> dict:

@@ -662,6 +662,25 @@ static inline __attribute__((always_inline)) void accumulate_widened_values(
     }
 }
 
+/* Live positions i .. i + n - 1 (a last partial run repeating the final live position):
+ * their positions into at[], their key rows widened into keys[p * D], and the rows
+ * PREFETCH_AHEAD positions on fetched (keys into L1, values into L2). */
+static inline __attribute__((always_inline)) void gather_key_rows(
+    const char *k_head, const char *v_head, const int64_t *slots, const int64_t *live,
+    int64_t num_live, int64_t i, int n, size_t row_bytes, int64_t head_dim, int format,
+    int64_t *at, float *keys) {
+    for (int p = 0; p < n; p++) {
+        at[p] = live[i + p < num_live ? i + p : num_live - 1];
+        if (i + PREFETCH_AHEAD + p < num_live) {
+            const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
+            prefetch_row(k_head, ahead, row_bytes);
+            prefetch_row_l2(v_head, ahead, row_bytes);
+        }
+        LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
+                       head_dim, format);
+    }
+}
+
 /* The scores of a task's `count` query vectors (at least TRANSPOSED_KEYS_MIN_QUERIES, head
  * sizes a multiple of 16, eight-lane builds) at its live positions, sixteen positions at a
  * time: their key rows widened into keys[0 .. 16 D) and transposed eight by eight into
@@ -678,16 +697,8 @@ static inline __attribute__((always_inline)) void score_transposed(
     const float *const kt[2] = {keys + 16 * head_dim, keys + 24 * head_dim};
     for (int64_t i = 0; i < num_live; i += 16) {
         int64_t at[16];
-        for (int p = 0; p < 16; p++) {
-            at[p] = live[i + p < num_live ? i + p : num_live - 1];
-            if (i + PREFETCH_AHEAD + p < num_live) {
-                const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
-                prefetch_row(k_head, ahead, row_bytes);
-                prefetch_row_l2(v_head, ahead, row_bytes);
-            }
-            LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
-                           head_dim, format);
-        }
+        gather_key_rows(k_head, v_head, slots, live, num_live, i, 16, row_bytes, head_dim,
+                        format, at, keys);
         for (int h = 0; h < 2; h++)
             transpose_eight_rows(keys + 8 * h * head_dim, head_dim, (float *)kt[h]);
         int runs_on[2];
@@ -800,16 +811,8 @@ static inline __attribute__((always_inline)) int attend_rows(
          * repeat writes the same score again). */
         for (int64_t i = 0; i < num_live; i += 4) {
             int64_t at[4];
-            for (int p = 0; p < 4; p++) {
-                at[p] = live[i + p < num_live ? i + p : num_live - 1];
-                if (i + PREFETCH_AHEAD + p < num_live) {
-                    const int64_t ahead = slots[live[i + PREFETCH_AHEAD + p]];
-                    prefetch_row(k_head, ahead, row_bytes);
-                    prefetch_row_l2(v_head, ahead, row_bytes);
-                }
-                LOAD_CACHE_ROW(keys + p * head_dim, k_head + (size_t)slots[at[p]] * row_bytes,
-                               head_dim, format);
-            }
+            gather_key_rows(k_head, v_head, slots, live, num_live, i, 4, row_bytes, head_dim,
+                            format, at, keys);
             score_four(queries, count, keys, at, row_bias, group, scale, head_dim, width, scores,
                        max_score);
         }
