@@ -750,8 +750,11 @@ static inline __attribute__((always_inline)) int attend_rows(
     const int64_t group = heads / kv_heads, count = num_rows * group;
     const int64_t width = table_width * block_size;
     const size_t io_elem = io_bf16 ? 2 : 4;
-    const size_t floats =
-        (size_t)(count * width + 2 * count * head_dim + PLAIN_VALUE_CHUNK * head_dim);
+    /* Enough vectors to score positions against transposed keys and widen values once. */
+    const int many_queries =
+        LANES < 16 && head_dim % 16 == 0 && count >= TRANSPOSED_KEYS_MIN_QUERIES;
+    const size_t floats = (size_t)(count * width + 2 * count * head_dim +
+                                   (many_queries ? PLAIN_VALUE_CHUNK : 4) * head_dim);
     float *buffer = malloc(sizeof(float) * floats);
     /* slots, live, then one flag a position: whether any row attends to it */
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(2 * width + 4) + (size_t)width);
@@ -763,7 +766,8 @@ static inline __attribute__((always_inline)) int attend_rows(
     float *scores = buffer;                       /* [count, width] */
     float *queries = scores + count * width;      /* [count, D] */
     float *acc = queries + count * head_dim;      /* [count, D] */
-    /* [16, D], then two [D, 8]; after scoring, widened value rows [PLAIN_VALUE_CHUNK, D] */
+    /* [4, D]; with many_queries, [16, D] and two [D, 8], then widened values
+     * [PLAIN_VALUE_CHUNK, D] */
     float *keys = acc + count * head_dim;
     int64_t *live = slots + width;                /* positions any row attends to */
     const float *row_bias[num_rows];
@@ -803,7 +807,7 @@ static inline __attribute__((always_inline)) int attend_rows(
 
     float max_score[count];
     for (int64_t j = 0; j < count; j++) max_score[j] = -INFINITY;
-    if (LANES < 16 && head_dim % 16 == 0 && count >= TRANSPOSED_KEYS_MIN_QUERIES) {
+    if (many_queries) {
         score_transposed(queries, count, keys, k_head, v_head, slots, live, num_live, row_bias,
                          group, scale, head_dim, width, row_bytes, format, scores, max_score);
     } else {
@@ -847,8 +851,7 @@ static inline __attribute__((always_inline)) int attend_rows(
         total[j] = sum;
     }
 
-    if (LANES < 16 && (format == CACHE_FP32 || format == CACHE_BF16) && head_dim % 16 == 0 &&
-        count >= TRANSPOSED_KEYS_MIN_QUERIES) {
+    if (many_queries && (format == CACHE_FP32 || format == CACHE_BF16)) {
         accumulate_widened_values(acc, scores, v_head, slots, live, num_live, width, count,
                                   head_dim, format == CACHE_BF16, keys);
     } else if ((format == CACHE_FP32 || (format == CACHE_BF16 && LANES < 16)) &&
