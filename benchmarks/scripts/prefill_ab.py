@@ -32,8 +32,8 @@ ROUNDS = 6
 PROMPT_SETS = {"1 x 730 tokens": (1, 730), "4 x 512 tokens": (4, 512)}
 
 
-def measure_model(model: str, steps: dict[str, NativeDecodeStep]) -> list[dict]:
-    """Per prompt set and build: medians of (seconds, matmul s, attention s) over ROUNDS."""
+def measure_model(model: str, steps: dict[str, NativeDecodeStep], rounds: int) -> list[dict]:
+    """Per prompt set and build: medians of (seconds, matmul s, attention s) over `rounds`."""
     llm = LLM(model=model, max_model_len=2048, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     prompts = {
@@ -46,7 +46,7 @@ def measure_model(model: str, steps: dict[str, NativeDecodeStep]) -> list[dict]:
     seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {
         (name, build): [] for name in prompts for build in steps
     }
-    for round_index in range(ROUNDS + 1):  # round 0 warms both builds up
+    for round_index in range(rounds + 1):  # round 0 warms both builds up
         order = list(steps) if round_index % 2 == 0 else list(steps)[::-1]
         for build in order:
             step = runner.native_step = steps[build]
@@ -75,12 +75,19 @@ def measure_model(model: str, steps: dict[str, NativeDecodeStep]) -> list[dict]:
     ]
 
 
+def round_speedup(row: dict, revision: str) -> float:
+    """The median over rounds of the baseline's wall time over this tree's, round by round."""
+    old, new = row[revision]["rounds"], row["this tree"]["rounds"]
+    return statistics.median(a[0] / b[0] for a, b in zip(old, new, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revision")
     parser.add_argument("--bf16-dir", type=Path, help="a bf16 Hugging Face directory")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks")
     parser.add_argument("--name", default="prefill-ab")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     args.out_dir = args.out_dir.resolve()
     revision = args.revision
@@ -92,10 +99,10 @@ def main() -> None:
         libraries = step_libraries(revision, Path(scratch))
         for label, model in models.items():
             steps = {name: NativeDecodeStep(library) for name, library in libraries.items()}
-            for row in measure_model(model, steps):
+            for row in measure_model(model, steps, args.rounds):
                 rows.append({"model": label, **row})
                 print(rows[-1]["model"], rows[-1]["prompts"], flush=True)
-    report = {"cpu_flags": cpu_flags(), "baseline": revision, "rounds": ROUNDS, "rows": rows}
+    report = {"cpu_flags": cpu_flags(), "baseline": revision, "rounds": args.rounds, "rows": rows}
 
     def ms(value: float) -> str:
         return f"{value * 1e3:.1f}"
@@ -104,12 +111,14 @@ def main() -> None:
         "# Prefill: this tree against a baseline revision",
         "",
         f"One engine per model whose native step library alternates between the two builds, "
-        f"{ROUNDS} rounds after a warm-up; medians in ms, one output token, prefix caching "
-        "off. Matmuls and attention by the step's own timers.",
+        f"{args.rounds} rounds after a warm-up; medians in ms, one output token, prefix caching "
+        "off. Matmuls and attention by the step's own timers; the last column is the median "
+        "of each round's own speed-up (the machine's speed drifts from round to round).",
         "",
         f"| model | prompts | {revision} | this tree | speed-up | matmuls {revision} | "
-        f"matmuls this tree | matmul speed-up | attention {revision} | attention this tree |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"matmuls this tree | matmul speed-up | attention {revision} | attention this tree | "
+        "round speed-up |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         old, new = r[revision], r["this tree"]
@@ -117,7 +126,8 @@ def main() -> None:
             f"| {r['model']} | {r['prompts']} | {ms(old['seconds'])} | {ms(new['seconds'])} | "
             f"{old['seconds'] / new['seconds']:.2f}x | {ms(old['matrix_s'])} | "
             f"{ms(new['matrix_s'])} | {old['matrix_s'] / new['matrix_s']:.2f}x | "
-            f"{ms(old['attention_s'])} | {ms(new['attention_s'])} |"
+            f"{ms(old['attention_s'])} | {ms(new['attention_s'])} | "
+            f"{round_speedup(r, revision):.2f}x |"
         )
     lines.append("")
     extra: list[object] = ["--out-dir", args.out_dir]
@@ -125,6 +135,8 @@ def main() -> None:
         extra = ["--bf16-dir", "$SMOLLM2_HF", *extra]
     if args.name != "prefill-ab":
         extra += ["--name", args.name]
+    if args.rounds != ROUNDS:
+        extra += ["--rounds", args.rounds]
     write_results(args.out_dir, args.name, report, lines,
                   command_line(__file__, revision, *extra))  # fmt: skip
 
