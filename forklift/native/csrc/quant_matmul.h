@@ -343,7 +343,7 @@ static inline int8_t *quantized_rows_alloc(int64_t rows, int64_t k, QuantizedRow
 
 /* From this many activation rows (a prompt chunk's), the dot-product kernels' row groups go
  * to the threads in runs of GROUP_RUN as each frees up (decode steps keep fixed halves:
- * each thread streams one contiguous half of the weight, 1.14x faster at eight rows). */
+ * each thread streams one contiguous half of the weight). */
 #define DYNAMIC_GROUPS_MIN_ROWS 64
 #define GROUP_RUN 4
 
