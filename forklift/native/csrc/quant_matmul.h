@@ -513,13 +513,16 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
         }
 #endif
 
+        /* A slab of rows at a time, through every group a thread takes: a slab's codes stay
+         * in the core's cache while every group reads them (a pair reads all the rows it is
+         * given, per pair). Precise rows (fold) go in one slab: their halves add up. */
+        const int64_t slab = fold > 0 ? active : QUANT_SLAB_ROWS;
 #if !defined(FORKLIFT_PAIRED_GROUPS)
         if (active >= DYNAMIC_GROUPS_MIN_ROWS) {
             /* Runs of groups handed out in order, slab by slab, to whichever thread is free,
              * large shares first and smaller ones as the work runs out: with halves fixed in
              * advance, a core its neighbour slowed kept the other waiting at the end. Which
              * thread computes a group changes no bits. */
-            const int64_t slab = fold > 0 ? active : QUANT_SLAB_ROWS;
             const int64_t runs = (groups + GROUP_RUN - 1) / GROUP_RUN;
             const int64_t items = (active + slab - 1) / slab * runs;
 #pragma omp for schedule(guided) nowait
@@ -538,10 +541,6 @@ static inline int quant_matmul_rows(const QuantWeight *w, const float *x, int64_
             const int64_t per = (groups + threads - 1) / threads;
             const int64_t begin = id * per < groups ? id * per : groups;
             const int64_t end = begin + per < groups ? begin + per : groups;
-            /* A slab of rows at a time, each thread through all its groups: a slab's codes stay
-             * in the core's cache while every group reads them (a pair reads all the rows it is
-             * given, per pair). Precise rows (fold) go in one slab: their halves add up. */
-            const int64_t slab = fold > 0 ? active : QUANT_SLAB_ROWS;
             for (int64_t first = 0; first < active; first += slab) {
                 const int64_t count = active - first < slab ? active - first : slab;
                 const QuantizedRow *slab_views = rows_views + first;
