@@ -1,8 +1,9 @@
 """What the MLP's down projection loses with int8 activations instead of precise ones, on
 this CPU's kernels: each model's GGUF file served three ways, all with an fp32 KV cache so
 only the activations differ: dense fp32 weights (the reference, `quantization="none"`), the
-file's blocks with the down projection's activations precise (the default: quantize.py's
-_takes_precise_activations), and with them int8 like every other projection's.
+file's blocks with the down projection's activations precise (as quantize.py's
+_takes_precise_activations keeps them where the kernels take wide rows), and with them int8
+like every other projection's (its choice where precise rows would be two int8 rows).
 Teacher-forced on kv_cache_quality.py's held-out windows (KL against the dense reference,
 perplexity, top token) and its greedy rule (vLLM's check_logprobs_close against the dense
 reference).
@@ -33,7 +34,7 @@ def down_activations(precise: bool) -> Iterator[None]:
     """Models loaded inside take precise (or int8) activations at their down projections,
     whatever this CPU's kernels would choose."""
     original = quantize._takes_precise_activations
-    quantize._takes_precise_activations = lambda name: (
+    quantize._takes_precise_activations = lambda name, form, kernel: (
         name == "lm_head" or (precise and name.endswith("mlp.down_proj"))
     )
     try:

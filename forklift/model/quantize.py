@@ -156,7 +156,7 @@ def quantize_from_file(
         blocks = _file_blocks(model, plan, sources, {param: form}, kernel).get(param)
         if blocks is None:
             continue
-        precise = _takes_precise_activations(name)
+        precise = _takes_precise_activations(name, form, kernel)
         module.quantized, module.quantized_source = _quantize_weight(
             module.weight, form, blocks, kernel, precise
         )
@@ -189,7 +189,7 @@ def quantize_model(
         if module.quantized is not None:  # served from the file's blocks before loading
             weight, source = module.quantized, module.quantized_source or "gguf blocks"
         else:
-            precise = _takes_precise_activations(param.removesuffix(".weight"))
+            precise = _takes_precise_activations(param.removesuffix(".weight"), form, kernel)
             blocks = from_file.get(param)
             weight, source = _quantize_weight(module.weight, form, blocks, kernel, precise)
             module.quantized = weight
@@ -228,22 +228,30 @@ def requantize(
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized is not None:
             if f"{name}.weight" in changed_params:
-                form, precise = module.quantized.form, _takes_precise_activations(name)
+                form = module.quantized.form
+                precise = _takes_precise_activations(name, form, kernel)
                 module.quantized, _ = _quantize_weight(module.weight, form, None, kernel, precise)
     if model.quantized_head is not None and "embed_tokens.weight" in changed_params:
         model.quantized_head = _int8(model.embed_tokens.weight, kernel, precise=True)
 
 
-def _takes_precise_activations(module_name: str) -> bool:
-    """Native copies whose inputs int8 rounds too coarsely: the LM head (sampling reads its
-    logits) and the MLP's down projection, whose input (silu(gate) * up) carries the
-    outliers. Teacher-forced perplexity of the tests' text on the default model: 34.40 with
-    int8 activations everywhere, 34.19 with the down projection's as two int8 rows, 34.52
-    as twelve-bit codes (the AVX-512 builds'; mean |logprob - dense| 0.059 against 0.060 for
-    the two rows: as close to the dense model), 34.39 for PyTorch's int4 kernels (bf16
-    activations), 34.38 dense. The head's rows as sixteen-bit codes rather than two int8 rows
-    left it where it was (docs/architecture.md, "the same precision")."""
-    return module_name == "lm_head" or module_name.endswith("mlp.down_proj")
+def _takes_precise_activations(
+    module_name: str, form: str, kernel: QuantMatmulKernel | None
+) -> bool:
+    """Native copies whose inputs int8 rounds too coarsely for what finer ones cost. The LM
+    head always (sampling reads its logits). The MLP's down projection, whose input
+    (silu(gate) * up) carries the outliers, where the kernels take a precise row of its form
+    as one wide row of codes (every form on the AVX-512 builds, Q8 on AVX2); where it would
+    take two int8 rows (a Q4 weight on AVX2, the plain build) it takes int8, as llama.cpp's
+    kernels do. The second row cost 1.14-1.16x a prefill and 1.11-1.13x a decode step on
+    AVX2 and bought no perplexity that text long enough to measure it shows: 2 x 2,048
+    held-out tokens put both within 0.04% of the dense model (mean KL 0.0016 against 0.0020
+    nats, benchmarks/avx2/down-activations-quality.md), while rounding alone moves the
+    tests' 360-token text by up to 1% (docs/architecture.md, "the same precision")."""
+    if module_name == "lm_head":
+        return True
+    wide_rows = kernel is not None and kernel.wide_precise(form)
+    return wide_rows and module_name.endswith("mlp.down_proj")
 
 
 def _quantize_weight(

@@ -362,15 +362,56 @@ def test_int4_perplexity_within_two_percent_of_dense(perplexity):
     assert abs(perplexity("torch") / perplexity("dense") - 1) < 0.02
 
 
+def _held_out_logprobs(path: Path, tokens: int, **kwargs) -> np.ndarray:
+    """Log p(token | the tokens before it) over the first `tokens` tokens of Python's
+    reference topics (`pydoc_data.topics`, shipped with the interpreter), as prompt logprobs
+    through the engine's own step: one prompt, so one forward whatever the backend."""
+    topics = pytest.importorskip("pydoc_data.topics").topics
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    llm = LLM(model=str(path), max_model_len=tokens + 64, kv_cache_memory_bytes=96 * 2**20,
+              enable_prefix_caching=False, **kwargs)  # fmt: skip
+    ids = llm.get_tokenizer().encode(text)[:tokens]
+    assert len(ids) == tokens
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    scored = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    rows = zip(scored.prompt_logprobs[1:], ids[1:], strict=True)
+    return np.array([row[token].logprob for row, token in rows])
+
+
 @pytest.mark.slow
-def test_native_int4_perplexity_within_two_percent_of_dense(perplexity):
-    """The native block kernels (int8 activations) within 1% of PyTorch's int4 kernels and
-    within 2% of the dense model, same file."""
+def test_native_perplexity_on_held_out_text_within_one_percent_of_dense(default_source):
+    """The native block kernels (int8 activations) on 2,048 tokens of held-out text: within 1%
+    of the same file's dense fp32 model in perplexity, and per token within 0.1 nats on
+    average. On the 360-token text above, rounding alone (bf16 for fp32, two int8 rows for
+    one) moves perplexity by up to 1%; here by under 0.4% (measured on AVX2: 0.36% with the
+    down projection's activations as two int8 rows, 0.11% as one; mean |logprob - dense|
+    0.039 / 0.044, where the dense model in bf16 alone gives 0.035)."""
     if QuantMatmulKernel.load() is None:
         pytest.skip("the native block kernels did not build here (no C compiler?)")
-    native, torch_int4, dense = perplexity("native"), perplexity("torch"), perplexity("dense")
-    assert abs(native / dense - 1) < 0.02, (native, dense)
-    assert abs(native / torch_int4 - 1) < 0.01, (native, torch_int4)
+    dense = _held_out_logprobs(default_source.path, 2048, quantization="none", dtype="float32")
+    native = _held_out_logprobs(default_source.path, 2048)
+    ratio = np.exp(np.mean(dense) - np.mean(native))
+    assert abs(ratio - 1) < 0.01, ratio
+    assert np.mean(np.abs(native - dense)) < 0.1
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_down_projections_take_precise_rows_where_the_kernels_take_them_wide(tmp_path, quant):
+    """The MLP's down projection takes precise activations where its form's precise rows are
+    one wide row (every form on AVX-512, Q8 on AVX2) and int8 where they would be two int8
+    rows (Q4 on AVX2, the plain build); every other projection takes int8."""
+    kernel = QuantMatmulKernel.load()
+    if kernel is None:
+        pytest.skip("the native kernels do not build here")
+    _, path = _tiny_gguf(tmp_path, quant)
+    model = _llm(path, dtype="bfloat16").llm_engine.runner.model
+    seen = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quantized is not None and name != "lm_head":
+            wide = kernel.wide_precise(module.quantized.form)
+            assert module.quantized.precise == (wide and name.endswith("mlp.down_proj")), name
+            seen += name.endswith("mlp.down_proj")
+    assert seen == 2
 
 
 def test_gguf_q8_0_linears_serve_as_int8(tmp_path):
