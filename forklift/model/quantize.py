@@ -247,7 +247,7 @@ def _takes_precise_activations(
     AVX2 and bought no perplexity that text long enough to measure it shows: 2 x 2,048
     held-out tokens put both within 0.04% of the dense model (mean KL 0.0016 against 0.0020
     nats, benchmarks/avx2/down-activations-quality.md), while rounding alone moves the
-    tests' 360-token text by up to 1% (docs/architecture.md, "the same precision")."""
+    tests' 360-token text by up to 1% (docs/architecture.md, "too short to tell them apart")."""
     if module_name == "lm_head":
         return True
     wide_rows = kernel is not None and kernel.wide_precise(form)
