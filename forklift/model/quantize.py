@@ -240,14 +240,15 @@ def _takes_precise_activations(
 ) -> bool:
     """Native copies whose inputs int8 rounds too coarsely for what finer ones cost. The LM
     head always (sampling reads its logits). The MLP's down projection, whose input
-    (silu(gate) * up) carries the outliers, where the kernels take a precise row of its form
-    as one wide row of codes (every form on the AVX-512 builds, Q8 on AVX2); where it would
-    take two int8 rows (a Q4 weight on AVX2, the plain build) it takes int8, as llama.cpp's
-    kernels do. The second row cost 1.14-1.16x a prefill and 1.11-1.13x a decode step on
-    AVX2 and bought no perplexity that text long enough to measure it shows: 2 x 2,048
-    held-out tokens put both within 0.04% of the dense model (mean KL 0.0016 against 0.0020
-    nats, benchmarks/avx2/down-activations-quality.md), while rounding alone moves the
-    tests' 360-token text by up to 1% (docs/architecture.md, "too short to tell them apart")."""
+    (silu(gate) * up) carries the outliers, where the kernels take a precise row of its
+    form as one wide row of codes (every form on the AVX-512 VNNI builds, Q8 on AVX2);
+    where it would take two int8 rows (a Q4 weight on AVX2, the plain build) it takes int8,
+    as llama.cpp's kernels do. The second row cost 1.14-1.16x a prefill and 1.11-1.13x a
+    decode step on AVX2 and bought no perplexity that text long enough to measure it shows:
+    the second halves of two 2,048-token held-out windows put both within 0.04% of the
+    dense model (mean KL 0.0016 against 0.0020 nats,
+    benchmarks/avx2/down-activations-quality.md), while rounding alone moves the tests'
+    360-token text by up to 1% (docs/architecture.md, "too short to tell them apart")."""
     if module_name == "lm_head":
         return True
     wide_rows = kernel is not None and kernel.wide_precise(form)

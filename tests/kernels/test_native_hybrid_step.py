@@ -194,8 +194,9 @@ def test_mtp_drafts_read_the_native_steps_hidden_states(tmp_path):
     # The drafter reads the rows the PyTorch layers would hand it (same rows, same values
     # but for rounding): unnormed or misaligned rows (values of 1-5 here) would not match.
     # The rounding: silu(gate) * up differs in its last bits between the two, and the down
-    # projection's twelve-bit codes (AVX-512 builds) turn such a difference into a code step
-    # now and then (0.04 at most, 0.002 on average; two int8 rows had taken 4e-5).
+    # projection's activation codes (twelve-bit on the AVX-512 VNNI builds, int8 on AVX2)
+    # turn such a difference into a code step now and then (twelve-bit: 0.04 at most, 0.002
+    # on average; two int8 rows had taken 4e-5).
     reference = _engine(tmp_path, speculative_config=mtp)
     reference.llm_engine.runner.native_step = None
     prompt = _prompt(21, salt=7)

@@ -398,8 +398,9 @@ def test_native_perplexity_on_held_out_text_within_one_percent_of_dense(default_
 @pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
 def test_down_projections_take_precise_rows_where_the_kernels_take_them_wide(tmp_path, quant):
     """The MLP's down projection takes precise activations where its form's precise rows are
-    one wide row (every form on AVX-512, Q8 on AVX2) and int8 where they would be two int8
-    rows (Q4 on AVX2, the plain build); every other projection takes int8."""
+    one wide row (every form on AVX-512 VNNI, Q8 on AVX2) and int8 where they would be two
+    int8 rows (Q4 on AVX2, the plain build); every other projection takes int8, the head
+    precise ones."""
     kernel = QuantMatmulKernel.load()
     if kernel is None:
         pytest.skip("the native kernels do not build here")
@@ -412,6 +413,8 @@ def test_down_projections_take_precise_rows_where_the_kernels_take_them_wide(tmp
             assert module.quantized.precise == (wide and name.endswith("mlp.down_proj")), name
             seen += name.endswith("mlp.down_proj")
     assert seen == 2
+    head = model.lm_head.quantized if model.lm_head is not None else model.quantized_head
+    assert head is not None and head.precise
 
 
 def test_gguf_q8_0_linears_serve_as_int8(tmp_path):

@@ -61,7 +61,8 @@ class BlockInt4:
     mins: torch.Tensor  # [N / 8, K / 32, 8] float16: m
     shape: tuple[int, int]
     kernel: QuantMatmulKernel
-    # Finer activations than int8 (csrc/quant_matmul.h, QuantWeight): LM heads, down projections.
+    # Finer activations than int8 (csrc/quant_matmul.h, QuantWeight): LM heads, and down
+    # projections where the kernels take their precise rows wide (model/quantize.py).
     precise: bool = False
     form = "int4"
     max_rows = BLOCK_MAX_ROWS
