@@ -97,8 +97,9 @@ static inline float block_inverse(float d) {
 
 /* Weights of one matmul: q4 when `m` is set, else q8. `precise`: finer activations than
  * int8, for the LM head (sampling reads its logits directly) and, where its rows are one
- * wide row (quantize.py decides), the MLP's down projection (its input carries outliers). Where the paired kernels are built, each row is one wide
- * row of codes (quantize_wide_row), one row's scaling a block: a q4 weight's twelve-bit
+ * wide row (quantize.py decides), the MLP's down projection (its input carries outliers).
+ * Where the paired kernels are built, each row is one wide row of codes
+ * (quantize_wide_row), one row's scaling a block: a q4 weight's twelve-bit
  * codes in one integer dot product of 64 bytes, a q8 weight's sixteen-bit ones in two (the
  * high and low bytes, or a tile of eight rows as paired int8 rows, quantize_paired_row: the
  * same integer). The AVX2 kernels take a q8 weight's rows as the same sixteen-bit codes,
