@@ -84,6 +84,44 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
 }
 #endif
 
+/* group_tile for q8 codes without VNNI: signed by signed as |w| by (x with w's sign),
+ * vpmaddubsw then vpmaddwd into each row's int32 sums. Each chunk's codes are taken by every
+ * row in turn (as group_tile_q4_maddubs takes them), each row's sums one register: with all
+ * eight chunks held for the rows at once, the rows' scaled sums went through the stack
+ * every block. The int32 sums are exact, so the bits are group_tile's. */
+static inline __attribute__((always_inline)) void group_tile_q8_maddubs(
+    const uint8_t *codes, const uint16_t *d, int64_t blocks, const QuantizedRow *x, int rows,
+    float *sums) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + b * 256;
+        for (int line = 0; line < 256; line += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * 256 + line);
+        __m256i sum32[4];
+        for (int r = 0; r < 4; r++) sum32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i signs = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+            const __m256i magnitudes = _mm256_sign_epi8(signs, signs);
+            for (int r = 0; r < rows; r++) {
+                const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
+                const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(xq[c]), signs);
+                sum32[r] = _mm256_add_epi32(
+                    sum32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
+                __asm__("" : "+x"(sum32[r])); /* as group_tile_q8_wide's */
+            }
+        }
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32[r]),
+                                     _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
+    }
+    /* + 0 as group_tile adds its (zero) offsets: a sum of -0 is stored as +0 there too. */
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+}
+
 #if !defined(FORKLIFT_PAIRED_GROUPS)
 /* Without the paired kernels, a precise q8 weight (the LM head) takes each activation row
  * as one wide row of sixteen-bit codes, the codes of quant_matmul_avx512.h's
@@ -164,10 +202,11 @@ static inline __attribute__((always_inline)) void group_tile(
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t blocks,
     const QuantizedRow *x, int rows, float *sums, int is_q4) {
 #if !defined(FORKLIFT_HAS_VNNI_256)
-    if (is_q4) {
+    if (is_q4)
         group_tile_q4_maddubs(codes, d, m, blocks, x, rows, sums);
-        return;
-    }
+    else
+        group_tile_q8_maddubs(codes, d, blocks, x, rows, sums);
+    return;
 #endif
     const int64_t block_bytes = is_q4 ? 128 : 256;
     /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
