@@ -1,6 +1,7 @@
 /* The quantized matmul's eight-output kernel on AVX2 (quant_matmul.h has the layout), also
  * AVX-512's for a row group without a partner: 256-bit integer dot products (isa/avx2.h's
- * dot_accumulate: vpmaddubsw + vpmaddwd, or vpdpbusd with AVX512-VNNI/VL). */
+ * dot_accumulate: vpmaddubsw + vpmaddwd, in a kernel per code type that takes each chunk of
+ * codes row by row; or vpdpbusd with AVX512-VNNI/VL). */
 #ifndef FORKLIFT_QUANT_MATMUL_AVX2_H
 #define FORKLIFT_QUANT_MATMUL_AVX2_H
 
@@ -82,17 +83,15 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
     }
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
 }
-#endif
 
-/* group_tile for q8 codes without VNNI: signed by signed as |w| by (x with w's sign),
- * vpmaddubsw then vpmaddwd into each row's int32 sums. Each chunk's codes are taken by every
- * row in turn (as group_tile_q4_maddubs takes them), each row's sums one register: with all
- * eight chunks held for the rows at once, the rows' scaled sums went through the stack
- * every block. The int32 sums are exact, so the bits are group_tile's. */
+/* group_tile for q8 codes without VNNI: signed by signed as |w| by (x with w's sign), each
+ * chunk's codes taken by every row in turn (as group_tile_q4_maddubs takes them), each row's
+ * int32 sums one register: with all eight chunks held for the rows at once, the rows'
+ * scaled sums went through the stack every block. The int32 sums are exact in any order, and
+ * the scaling is group_tile's: the same bits. */
 static inline __attribute__((always_inline)) void group_tile_q8_maddubs(
     const uint8_t *codes, const uint16_t *d, int64_t blocks, const QuantizedRow *x, int rows,
     float *sums) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -107,9 +106,8 @@ static inline __attribute__((always_inline)) void group_tile_q8_maddubs(
             for (int r = 0; r < rows; r++) {
                 const int32_t *xq = (const int32_t *)(x[r].q + b * QK);
                 const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(xq[c]), signs);
-                sum32[r] = _mm256_add_epi32(
-                    sum32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
-                __asm__("" : "+x"(sum32[r])); /* as group_tile_q8_wide's */
+                sum32[r] = dot_accumulate(sum32[r], magnitudes, signed_x);
+                __asm__("" : "+x"(sum32[r])); /* as group_tile_q4_maddubs's */
             }
         }
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * b)));
@@ -117,10 +115,9 @@ static inline __attribute__((always_inline)) void group_tile_q8_maddubs(
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32[r]),
                                      _mm256_mul_ps(wd, _mm256_set1_ps(x[r].xd[b])), acc[r]);
     }
-    /* + 0 as group_tile adds its (zero) offsets: a sum of -0 is stored as +0 there too. */
-    for (int r = 0; r < rows; r++)
-        _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, acc[r]);
 }
+#endif
 
 #if !defined(FORKLIFT_PAIRED_GROUPS)
 /* Without the paired kernels, a precise q8 weight (the LM head) takes each activation row
@@ -179,8 +176,8 @@ static inline __attribute__((always_inline)) void group_tile_q8_wide(
                 low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(w_low, xv));
                 high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(w_high, xv));
                 /* Kept in registers as they stand: otherwise GCC regroups the exact integer
-                 * adds, computes every product of the block first and spills them (3.4x
-                 * slower a row). */
+                 * adds, computes every product of the block first and spills them (the head
+                 * 1.4-1.8x slower at 4-32 rows). */
                 __asm__("" : "+x"(low[r]), "+x"(high[r]));
             }
         }
@@ -206,8 +203,7 @@ static inline __attribute__((always_inline)) void group_tile(
         group_tile_q4_maddubs(codes, d, m, blocks, x, rows, sums);
     else
         group_tile_q8_maddubs(codes, d, blocks, x, rows, sums);
-    return;
-#endif
+#else
     const int64_t block_bytes = is_q4 ? 128 : 256;
     /* Two sums per row (scaled dots, q4 offsets): two short dependency chains, not one. */
     __m256 acc[4], offsets[4];
@@ -251,6 +247,7 @@ static inline __attribute__((always_inline)) void group_tile(
         }
     }
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(acc[r], offsets[r]));
+#endif
 }
 
 #if !defined(FORKLIFT_ISA_AVX512) /* quant_matmul_avx512.h has a 512-bit form */
