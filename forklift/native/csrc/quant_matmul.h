@@ -79,6 +79,14 @@ static inline float block_inverse(float d) {
  * quantize_paired_row's high part (q + 128) >> 8 stays a signed byte as well. */
 #define WIDE_Q8_CODE_MAX 32639.0f
 
+/* Every line of the block PREFETCH_BLOCKS blocks past `block` (a row group's blocks are one
+ * stream: isa/isa.h), fetched while `block` is multiplied. */
+static inline __attribute__((always_inline)) void prefetch_block_ahead(const uint8_t *block,
+                                                                        int64_t block_bytes) {
+    for (int64_t line = 0; line < block_bytes; line += 64)
+        __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line);
+}
+
 /* This build's kernels, each from the widest instruction set that has one:
  * - quantize_row (an activation row into int8 blocks): AVX-512, AVX2, else plain C;
  * - group_tile (eight outputs against up to four rows): AVX2 (also AVX-512's), else plain C;

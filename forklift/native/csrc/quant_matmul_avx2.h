@@ -51,8 +51,7 @@ static inline __attribute__((always_inline)) void group_tile_q4_maddubs(
     for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * 128;
-        __builtin_prefetch(block + PREFETCH_BLOCKS * 128);
-        __builtin_prefetch(block + PREFETCH_BLOCKS * 128 + 64);
+        prefetch_block_ahead(block, 128);
         __m256i sum16[4];
         for (int r = 0; r < 4; r++) sum16[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -96,8 +95,7 @@ static inline __attribute__((always_inline)) void group_tile_q8_maddubs(
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * 256;
-        for (int line = 0; line < 256; line += 64)
-            __builtin_prefetch(block + PREFETCH_BLOCKS * 256 + line);
+        prefetch_block_ahead(block, 256);
         __m256i sum32[4];
         for (int r = 0; r < 4; r++) sum32[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
@@ -160,8 +158,7 @@ static inline __attribute__((always_inline)) void group_tile_q8_wide(
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * 256;
-        for (int line = 0; line < 256; line += 64)
-            __builtin_prefetch(block + PREFETCH_BLOCKS * 256 + line);
+        prefetch_block_ahead(block, 256);
         __m256i low[4], high[4];
         for (int r = 0; r < 4; r++) low[r] = high[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
@@ -210,8 +207,7 @@ static inline __attribute__((always_inline)) void group_tile(
     for (int r = 0; r < 4; r++) acc[r] = offsets[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = codes + b * block_bytes;
-        for (int64_t line = 0; line < block_bytes; line += 64)
-            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line);
+        prefetch_block_ahead(block, block_bytes);
         __m256i w[8], signs[8];
         if (is_q4) {
             const __m256i low = _mm256_set1_epi8(0x0f);
