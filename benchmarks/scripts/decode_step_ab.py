@@ -6,7 +6,7 @@ batch size with 564-token prompts (or --context, at --batches), the model in bf1
 benchmarks/<dir>/<name>.{md,json} (name: decode-step-ab unless given).
 
 Run: .venv/bin/python benchmarks/scripts/decode_step_ab.py REV [out_dir [name]]
-     [--context N] [--batches 1,8] [--dtype auto]
+     [--context N] [--batches 1,8] [--dtype auto] [--model GGUF]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=CONTEXT)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"))
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default model)")
     args = parser.parse_args()
     revision, out_dir, stem, context = (
         args.revision,
@@ -48,7 +49,8 @@ def main() -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     longest = max(batches)
     budget = decode_step_budget(longest)
-    llm = LLM(model=str(default_model_path()), dtype=args.dtype, max_num_seqs=longest,
+    model = args.model or default_model_path()
+    llm = LLM(model=str(model), dtype=args.dtype, max_num_seqs=longest,
               max_model_len=context + STEPS + 16 + prefill_steps(longest, context, budget),
               max_num_batched_tokens=budget)  # fmt: skip
     runner = llm.llm_engine.runner
@@ -68,12 +70,14 @@ def main() -> None:
             rows.append({"batch": batch, "ms": ms, "speedup": ms[revision] / ms["this tree"]})
             print(rows[-1], flush=True)
     dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(str(runner.dtype).removeprefix("torch."))
-    report = {"cpu_flags": cpu_flags(), "baseline": revision, "context": context, "dtype": dtype,
+    report = {"cpu_flags": cpu_flags(), "baseline": revision, "model": model.name,
+              "context": context, "dtype": dtype,
               "steps": STEPS, "rounds": ROUNDS, "rows": rows}  # fmt: skip
     lines = [
         "# Native decode step: this tree against a baseline revision",
         "",
-        f"Default model ({dtype}, its GGUF blocks), {context}-token prompts, one engine whose step "
+        f"{'Default model' if args.model is None else model.name} ({dtype}, its GGUF blocks), "
+        f"{context}-token prompts, one engine whose step "
         f"library alternates between the two builds: median of {ROUNDS} rounds x {STEPS} pure "
         "decode steps each.",
         "",
@@ -91,6 +95,8 @@ def main() -> None:
         extra += ["--context", context, "--batches", args.batches]
     if args.dtype != "bfloat16":
         extra += ["--dtype", args.dtype]
+    if args.model is not None:
+        extra += ["--model", "$GEMMA" if "gemma" in model.name else model.name]
     write_results(out_dir, stem, report, lines, command_line(__file__, revision, out_dir, *extra))
 
 

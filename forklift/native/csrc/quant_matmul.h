@@ -84,7 +84,7 @@ static inline float block_inverse(float d) {
 static inline __attribute__((always_inline)) void prefetch_block_ahead(const uint8_t *block,
                                                                         int64_t block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
-        __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line);
+        __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + line, 0, PREFETCH_LOCALITY);
 }
 
 /* This build's kernels, each from the widest instruction set that has one:

@@ -219,8 +219,8 @@ static inline __attribute__((always_inline)) void fetch_pair_block(
     const int64_t block_bytes = is_q4 ? 128 : 256;
     const uint8_t *first = codes0 + b * block_bytes, *second = codes1 + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64) {
-        __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line);
-        __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line);
+        __builtin_prefetch(first + PREFETCH_BLOCKS * block_bytes + line, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(second + PREFETCH_BLOCKS * block_bytes + line, 0, PREFETCH_LOCALITY);
     }
     unpack_pair_block(first, second, is_q4, w);
 }

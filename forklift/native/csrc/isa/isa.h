@@ -98,6 +98,22 @@
 #endif
 #endif
 
+/* Which cache the weights' look-ahead prefetches fill (__builtin_prefetch's locality: 3 is
+ * prefetcht0, into L1; 1 is prefetcht2, into L2). On AMD's Zen 4 (which GCC 12 tunes for as
+ * znver3) the AVX-512 build's row pairs, two streams at a time, ran Gemma 3's 178 MB head
+ * 1.61x and the default model's 1.71x faster at one row with L2 prefetches, its 30 layers
+ * 1.28x (1.00-1.14x at 8-16 rows), where the AVX2 build's single streams ran 0.92-1.10x:
+ * it keeps L1 (benchmarks/prefetch-locality.md). Intel cores keep L1, as measured when the
+ * distances were chosen. Where the lines go never changes a bit. */
+#ifndef PREFETCH_LOCALITY
+#if defined(FORKLIFT_HAS_AVX512_VNNI) &&                                                   \
+    (defined(__tune_znver4__) || defined(__tune_znver3__) || defined(__tune_znver5__))
+#define PREFETCH_LOCALITY 1
+#else
+#define PREFETCH_LOCALITY 3
+#endif
+#endif
+
 /* Dense bf16 matmuls on AMX-BF16 tiles (dense_matmul.h; AVX512-BF16 rounds their inputs). */
 #if defined(FORKLIFT_HAS_AMX_BF16) && defined(FORKLIFT_HAS_AVX512_BF16)
 #define FORKLIFT_DENSE_TILES 1
