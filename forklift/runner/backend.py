@@ -1,5 +1,5 @@
 """Which kernels run a runner's steps: the native step (one call per step, on block weights or
-on dense bf16 AMX tiles), the PyTorch layers on the native block matmuls, or PyTorch alone.
+on dense bf16 weights), the PyTorch layers on the native block matmuls, or PyTorch alone.
 Chosen and loaded once, from the decode backend asked for, the quantization and this
 machine; the native step is bound to the weights and cache here and run on a step's inputs."""
 
@@ -185,7 +185,7 @@ class StepBackend:
 
     def load_native_step(self, model: LlamaForCausalLM) -> None:
         """One native call per decode step where the model and its weights allow it: block-
-        quantized weights, or dense bf16 ones where the CPU has AMX tiles."""
+        quantized weights, or dense bf16 ones where the CPU has AMX tiles or AVX512-BF16."""
         if self.quant_kernel is None:
             self.native_step = self._load_dense_native_step(model)
             return
@@ -207,12 +207,13 @@ class StepBackend:
 
     def _load_dense_native_step(self, model: LlamaForCausalLM) -> NativeDecodeStep | None:
         """The native step on dense bf16 weights: decode_backend auto, no quantization, a
-        CPU with AMX; None (the PyTorch layers, logged) otherwise."""
+        CPU with AMX-BF16 tiles or AVX512-BF16 dot products; None (the PyTorch layers,
+        logged) otherwise."""
         if (
             self.decode_backend != "auto"
             or self.quantization.enabled
             or self.device.type != "cpu"
-            or "amx_bf16" not in cpu_flags()
+            or not cpu_flags() & {"amx_bf16", "avx512_bf16"}
         ):
             return None  # the torch path, as the block kernels' log line said
         reason = unsupported_reason(model, dense_tiles=True)
@@ -229,12 +230,13 @@ class StepBackend:
         if reason is not None:
             logger.info("decode step: PyTorch layers (dense bf16 native step off: %s)", reason)
             return None
+        kernel = "AMX tiles" if "amx_bf16" in cpu_flags() else "AVX512-BF16 dot products"
         if self.batch_invariant:
-            logger.info("every step: one native call on dense bf16 AMX tiles (any rows)")
+            logger.info("every step: one native call on dense bf16 weights (%s, any rows)", kernel)
         else:
             logger.info(
-                "decode step: one native call on dense bf16 AMX tiles for up to %d rows; "
-                "prefill on the PyTorch layers (batch_invariant off)", DENSE_STEP_MAX_ROWS,
+                "decode step: one native call on dense bf16 weights (%s) for up to %d rows; "
+                "prefill on the PyTorch layers (batch_invariant off)", kernel, DENSE_STEP_MAX_ROWS,
             )  # fmt: skip
         return step
 

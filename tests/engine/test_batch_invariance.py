@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 # Each architecture on int4 blocks; two also over a bf16 KV cache (the CPU default where
-# the model computes in fp32); three also as dense bf16 weights on AMX tiles.
+# the model computes in fp32); three also as dense bf16 weights (AMX tiles or AVX512-BF16).
 FORMS = {
     "int4": dict(dtype="float32", quantization="int4"),
     "int4-kv-bf16": dict(dtype="float32", quantization="int4", kv_cache_dtype="bfloat16"),
@@ -37,7 +37,7 @@ TINY = (
     + [
         pytest.param(
             (arch, "bf16"),
-            marks=pytest.mark.skipif(not DENSE_TILES, reason="no AMX tiles (or no C compiler)"),
+            marks=pytest.mark.skipif(not DENSE_TILES, reason="no dense bf16 kernel here"),
         )
         for arch in ("llama", "qwen3", "gemma3")
     ]

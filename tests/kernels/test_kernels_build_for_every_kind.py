@@ -1,5 +1,6 @@
 """Every native kernel compiles for the instruction sets a CPU may have beyond this machine's
-(AVX-512 without VNNI, with VNNI, and with AMX and AVX512-BF16) and for plain x86-64 (the
+(AVX-512 without VNNI, with VNNI, with AVX512-BF16 but no AMX as on AMD's Zen 4, and with
+AMX and AVX512-BF16) and for plain x86-64 (the
 C fallbacks of a CPU without AVX2): an edit that breaks one
 kind's build fails here, not on the first machine of that kind, where the loader would
 quietly fall back to the PyTorch kernels. The kinds this machine runs are built and run by
@@ -19,6 +20,8 @@ TARGETS = {
     "x86-64": ("-march=x86-64",),
     "avx512": ("-march=skylake-avx512", "-mprefer-vector-width=512"),
     "avx512-vnni": ("-march=icelake-server", "-mprefer-vector-width=512"),
+    "avx512-bf16": ("-march=cooperlake", "-mprefer-vector-width=512"),
+    "zen4-tuned": ("-march=icelake-server", "-mavx512bf16", "-mtune=znver3"),
     "sapphire-rapids": ("-march=sapphirerapids", "-mprefer-vector-width=512"),
 }
 KERNELS = sorted(path.stem for path in NATIVE_SOURCE_DIR.glob("*.c"))

@@ -1,8 +1,9 @@
-"""The native decode step on dense bf16 weights (AMX tiles, csrc/dense_matmul_amx.h): what an RL
-rollout runs, its weights pushed in unquantized. The tile matmul equals a bf16 x bf16 product
-accumulated in fp32; the step it runs is at least as close to an fp32 model as the PyTorch
-bf16 layers are (it keeps activations in fp32 between operations), follows weight updates,
-and says in the log that it runs. Skipped where the CPU has no AMX tiles."""
+"""The native decode step on dense bf16 weights (AMX tiles, csrc/dense_matmul_amx.h, or
+AVX512-BF16 dot products, csrc/dense_matmul_dots.h): what an RL rollout runs, its weights
+pushed in unquantized. The matmul equals a bf16 x bf16 product accumulated in fp32; the step
+it runs is at least as close to an fp32 model as the PyTorch bf16 layers are (it keeps
+activations in fp32 between operations), follows weight updates, and says in the log that it
+runs. Skipped where the CPU has neither."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_hybrid, make_tiny_model, save_with_weight
 
 from forklift import LLM, SamplingParams
+from forklift.cpu import cpu_flags
 from forklift.model.native_binding import DENSE_STEP_MAX_ROWS
 from forklift.native import build as native_build
 from forklift.native.dense_weights import DenseMatmulKernel, pack_dense, pack_dense_all
 
 KERNEL = DenseMatmulKernel.load() if native_build.find_compiler() is not None else None
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AMX tiles (or no C compiler) here")
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no dense bf16 kernel here")
 
 
 @pytest.mark.parametrize("shape", [(50, 40), (960, 576), (33, 64), (64, 1536)])
@@ -142,7 +144,8 @@ def test_the_log_says_the_dense_step_runs(tmp_path, caplog):
         dense = _engine(tmp_path)
         fp32 = _engine(tmp_path, dtype="float32")
         split = _engine(tmp_path, batch_invariant=False)
-    assert "every step: one native call on dense bf16 AMX tiles" in caplog.text
+    kernel = "AMX tiles" if "amx_bf16" in cpu_flags() else "AVX512-BF16 dot products"
+    assert f"every step: one native call on dense bf16 weights ({kernel}" in caplog.text
     assert dense.llm_engine.runner.one_forward
     assert dense.llm_engine.runner.native_step_max_rows is None  # prefill chunks too
     # The opt-out: decode steps of up to 64 rows on the tiles, prefill on oneDNN's GEMM.

@@ -30,7 +30,8 @@
  * a few rows would pay more to start the threads than they save. */
 #define ROW_PARALLEL_MIN 8
 
-/* 1 where dense bf16 weights can run here (AMX compiled in and granted). */
+/* 1 where dense bf16 weights can run here (AMX tiles compiled in and granted, or AVX512-BF16
+ * dot products compiled in). */
 int forklift_decode_step_dense_tiles(void) { return dense_tiles_available(); }
 
 /* One projection: dense tiles or quantized blocks. dense_x: bf16 scratch for dense rows.
@@ -38,7 +39,7 @@ int forklift_decode_step_dense_tiles(void) { return dense_tiles_available(); }
 static int step_matmul(const QuantWeight *w, const float *x, int64_t rows,
                        QuantizedRow *views, float *rest, uint16_t *dense_x, float *out,
                        int num_threads) {
-#if defined(FORKLIFT_DENSE_TILES)
+#if defined(FORKLIFT_DENSE_NATIVE)
     if (w->dense) {
         dense_matmul_rows((const uint16_t *)w->codes, w->n, w->k, x, rows, dense_x, out,
                           num_threads);
@@ -416,9 +417,9 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
     const size_t floats = (size_t)(rows * (2 * hidden + projection + mixed +
                                            larger(q_size, value_size) + mlp_span) +
                                    widest);
-    /* A model's weights are all dense or all blocks; dense ones need the tiles. */
+    /* A model's weights are all dense or all blocks; dense ones need a dense kernel. */
     const int dense = m->head.dense;
-#if !defined(FORKLIFT_DENSE_TILES)
+#if !defined(FORKLIFT_DENSE_NATIVE)
     if (dense) return 2;
 #endif
     float *residual = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);

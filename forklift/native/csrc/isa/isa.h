@@ -5,9 +5,9 @@
  * - FORKLIFT_HAS_*: single features some kernels need beyond their level;
  * - LANES: floats in one register of the element-wise loops;
  * - the algorithm selectors the operations' drivers pick their kernels by
- *   (FORKLIFT_PAIRED_GROUPS, FORKLIFT_QUANT_TILES, FORKLIFT_DENSE_TILES, ATTENTION_TILES,
- *   SCORE_FROM_BF16, ATTENTION_AMX) and the tuning that follows the instruction set
- *   (PREFETCH_BLOCKS).
+ *   (FORKLIFT_PAIRED_GROUPS, FORKLIFT_QUANT_TILES, FORKLIFT_DENSE_TILES,
+ *   FORKLIFT_DENSE_NATIVE, ATTENTION_TILES, SCORE_FROM_BF16, ATTENTION_AMX) and the tuning
+ *   that follows the instruction set (PREFETCH_BLOCKS, PREFETCH_LOCALITY).
  * Every choice keeps the condition the kernels were first written under, so a build takes
  * the same code, and gives the same bits, as before the layout. */
 #ifndef FORKLIFT_ISA_H
@@ -114,9 +114,13 @@
 #endif
 #endif
 
-/* Dense bf16 matmuls on AMX-BF16 tiles (dense_matmul.h; AVX512-BF16 rounds their inputs). */
+/* Dense bf16 matmuls (dense_matmul.h): on AMX-BF16 tiles (AVX512-BF16 rounds their inputs),
+ * else on AVX512-BF16 dot products; FORKLIFT_DENSE_NATIVE where either runs. */
 #if defined(FORKLIFT_HAS_AMX_BF16) && defined(FORKLIFT_HAS_AVX512_BF16)
 #define FORKLIFT_DENSE_TILES 1
+#endif
+#if defined(FORKLIFT_ISA_AVX512) && defined(FORKLIFT_HAS_AVX512_BF16)
+#define FORKLIFT_DENSE_NATIVE 1
 #endif
 
 /* Decode attention in tiles of sixteen positions (paged_attention.h), their scores from
