@@ -56,9 +56,9 @@ class EngineConfig:
     # (integer dot products, built on first use for the CPU at hand); "torch" = PyTorch's
     # int4/int8 kernels; "auto" = native where it builds, else torch (the log says why).
     decode_backend: str = "auto"
-    # One forward for every step where the native step runs a model's block weights (or
-    # its dense bf16 weights on AMX tiles): a request's tokens and logprobs are bitwise the
-    # same whatever shares its steps, however its prompt is chunked and whatever the prefix
+    # One forward for every step where the native step runs a model's block weights (or its
+    # dense bf16 weights on AMX or AVX512-BF16): a request's tokens and logprobs are bitwise
+    # the same whatever shares its steps, however its prompt is chunked and whatever the prefix
     # cache holds, and no dense copy of a quantized weight is kept. False: prefill chunks
     # and large steps run the PyTorch layers, on dense copies of block weights (faster
     # prefill on CPUs with AMX, about twice the weights' memory) or oneDNN's GEMM, with

@@ -101,7 +101,6 @@ def main() -> None:
                                 "megabytes": workload.megabytes, "ms": ms,
                                 "speedup": ms["3"] / ms["1"], "bit_identical": same})  # fmt: skip
                 print(results[-1], flush=True)
-            del workload
     report = {"cpu_flags": cpu_flags(), "threads": 2, "rounds": ROUNDS, "calls": CALLS,
               "command": f".venv/bin/python benchmarks/scripts/prefetch_locality.py {out.name}",
               "results": results}  # fmt: skip

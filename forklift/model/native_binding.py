@@ -5,8 +5,8 @@
 tables, each layer's KV cache). The binding holds pointers, not tensors' lifetimes: the
 runner drops it whenever the weights or the KV cache are reallocated or changed
 (`ModelRunner._reset_captures`, `commit_weights`), and binds again on the next step.
-Dense bf16 weights (a model without quantization, on a CPU with AMX) run as packed tiles
-that the binding owns: binding again after a weight update packs the new weights.
+Dense bf16 weights (a model without quantization, on a CPU with AMX or AVX512-BF16) run as
+packed tiles that the binding owns: binding again after a weight update packs the new weights.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ _DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}
 # one forward (batch_invariant off): then block weights run decode steps of up to this many
 # rows beside dense copies for prefill, twice what the PyTorch layers' block kernels take
 # (with no Python between layers the step still pays at 17-32 rows), and dense bf16 weights
-# (AMX tiles) decode steps of up to DENSE_STEP_MAX_ROWS (an RL rollout's 8 prompts x 8
-# samples), prefill chunks then taking oneDNN's GEMM on the same weights.
+# (AMX tiles or AVX512-BF16 dot products) decode steps of up to DENSE_STEP_MAX_ROWS (an RL
+# rollout's 8 prompts x 8 samples; chosen against oneDNN on AMX), prefill chunks then taking
+# oneDNN's GEMM on the same weights.
 SPLIT_STEP_MAX_ROWS = 32
 DENSE_STEP_MAX_ROWS = 64
 
@@ -87,7 +88,8 @@ def _head_weight(model: LlamaForCausalLM) -> object:
 
 @dataclass(frozen=True)
 class DenseTiles:
-    """A dense bf16 weight [n, k] packed for the AMX tiles (`pack_dense`)."""
+    """A dense bf16 weight [n, k] packed as AMX tiles (`pack_dense`), which the AVX512-BF16
+    dot products read too."""
 
     packed: torch.Tensor
     n: int
@@ -139,7 +141,7 @@ def dense_tile_bytes(model: nn.Module) -> int:
 
 def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | None:
     """Why this model cannot run the native step (None: it can). `dense_tiles`: the step
-    library runs dense bf16 weights on this CPU (AMX), so they qualify too."""
+    library runs dense bf16 weights on this CPU (AMX or AVX512-BF16), so they qualify too."""
     if type(model) not in _NATIVE_MODELS:
         return f"{type(model).__name__} is not a Llama-family, Gemma 3 or Qwen3.5 model"
     if model.tp is not None:
@@ -157,7 +159,7 @@ def unsupported_reason(model: nn.Module, dense_tiles: bool = False) -> str | Non
         ):
             return (
                 "layers without native block weights (quantization none, or decode_backend "
-                "torch), nor dense bf16 ones on a CPU with AMX"
+                "torch), nor dense bf16 ones on a CPU with AMX or AVX512-BF16"
             )
         norms = [*_layer_norms(layer), model.norm]
         if _is_linear_layer(layer):

@@ -185,7 +185,7 @@ class NativeDecodeStep:
     @functools.cached_property
     def dense_tiles(self) -> bool:
         """Whether dense bf16 weights run here: AMX tiles compiled in and granted (asked on
-        first use: the request is a system call)."""
+        first use: the request is a system call), or AVX512-BF16 dot products compiled in."""
         return bool(self._library.forklift_decode_step_dense_tiles())
 
     @classmethod
@@ -272,7 +272,10 @@ class NativeDecodeStep:
                 None if input_hidden is None else input_hidden.data_ptr(),
             )  # fmt: skip
         if failed == 2:
-            raise RuntimeError("dense bf16 weights bound to a step library without AMX tiles")
+            raise RuntimeError(
+                "dense bf16 weights bound to a step library without a dense kernel "
+                "(AMX-BF16 tiles or AVX512-BF16 dot products)"
+            )
         if failed == 3:
             raise ValueError("a state chain cut by a chunk boundary stores its state nowhere")
         if failed == 4:

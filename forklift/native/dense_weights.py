@@ -1,5 +1,6 @@
-"""Dense bf16 weights for the native decode step's AMX tiles (csrc/dense_matmul.h): the
-packed layout and the exported matmul that tests and benchmarks call."""
+"""Dense bf16 weights for the native decode step (csrc/dense_matmul.h: AMX tiles, or
+AVX512-BF16 dot products on the same tiles): the packed layout and the exported matmul that
+tests and benchmarks call."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def pack_dense_all(
 
 
 class DenseMatmulKernel:
-    """The exported dense matmul; construct through `load()`, None where AMX is missing."""
+    """The exported dense matmul; construct through `load()`, None where the CPU has neither
+    AMX-BF16 nor AVX512-BF16."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.forklift_dense_matmul

@@ -221,7 +221,7 @@ class StepBackend:
         if reason is None and step is None:
             reason = "the step library did not build"
         elif step is not None and not step.dense_tiles:
-            reason, step = "the kernel grants no AMX tile state", None
+            reason, step = "no dense kernel in the step library, or no AMX tile state granted", None
         elif step is not None:
             # Built now, not when a request first asks for prompt logprobs (its head tiles).
             self._dense_kernel = DenseMatmulKernel.load()

@@ -2,9 +2,9 @@
 shares its steps, however its prompt was chunked, and whatever of it the prefix cache held.
 
 Every step of a model on native block weights, or on dense bf16 weights where the CPU has
-AMX tiles, runs the native step (prefill chunks, decode rows, mixed steps), and each of its
-operations computes a row alone or in one fixed order per row, so these comparisons are
-exact (==), not within a tolerance."""
+AMX tiles or AVX512-BF16, runs the native step (prefill chunks, decode rows, mixed steps),
+and each of its operations computes a row alone or in one fixed order per row, so these
+comparisons are exact (==), not within a tolerance."""
 
 from __future__ import annotations
 

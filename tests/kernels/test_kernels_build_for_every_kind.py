@@ -21,7 +21,12 @@ TARGETS = {
     "avx512": ("-march=skylake-avx512", "-mprefer-vector-width=512"),
     "avx512-vnni": ("-march=icelake-server", "-mprefer-vector-width=512"),
     "avx512-bf16": ("-march=cooperlake", "-mprefer-vector-width=512"),
-    "zen4-tuned": ("-march=icelake-server", "-mavx512bf16", "-mtune=znver3"),
+    "zen4-tuned": (
+        "-march=icelake-server",
+        "-mavx512bf16",
+        "-mtune=znver3",
+        "-mprefer-vector-width=512",
+    ),
     "sapphire-rapids": ("-march=sapphirerapids", "-mprefer-vector-width=512"),
 }
 KERNELS = sorted(path.stem for path in NATIVE_SOURCE_DIR.glob("*.c"))

@@ -34,8 +34,38 @@ def test_tile_matmul_is_the_bf16_product(shape, rows):
     want = x.bfloat16().double() @ weight.double().T
     got = KERNEL(x, pack_dense(weight), n)
     assert got.shape == (rows, n)
-    # fp32 sums of k bf16 products, in the tile unit's order
+    # fp32 sums of k bf16 products, in the kernel's order
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _dot_products_kernel() -> DenseMatmulKernel | None:
+    """On an AMX CPU, the AVX512-BF16 dot products built without the tiles (which such a CPU
+    runs too), so they are run here and not only compiled; None elsewhere (KERNEL is them)."""
+    if "amx_bf16" not in cpu_flags():
+        return None
+    no_tiles = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+    return DenseMatmulKernel.load(("-march=native", "-mprefer-vector-width=512", *no_tiles))
+
+
+@pytest.mark.parametrize("which", ["this CPU's", "dot products"])
+@pytest.mark.parametrize("shape", [(50, 40), (33, 64), (96, 130)])
+def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(which, shape):
+    kernel = KERNEL if which == "this CPU's" else _dot_products_kernel()
+    if kernel is None:
+        pytest.skip("the dot products are this CPU's kernel")
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    packed = pack_dense(torch.randn(n, k, generator=gen).bfloat16())
+    x = torch.randn(70, k, generator=gen)
+    alone = torch.cat([kernel(x[r : r + 1], packed, n) for r in range(70)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for rows in (2, 7, 8, 9, 16, 17, 33, 70):
+                assert torch.equal(kernel(x[:rows], packed, n), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_weights_packed_in_one_buffer_equal_each_packed_alone():

@@ -9,8 +9,8 @@
  * embedding, and per layer its own rotary table and KV group (a sliding-window layer reads
  * its group's blocks, window-masked, and writes its own slots).
  *
- * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX, a
- * dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
+ * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX or
+ * AVX512-BF16, a dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
  * embedding are in the model's dtype (bf16 or fp32), the KV cache in bf16 or fp32 (bf16
  * under an fp32 model by default) or in rows of one-byte codes with a scale each
  * (paged_attention.h's coded formats), converted or quantized as they are written. A row
@@ -650,7 +650,7 @@ static int step_rows(const StepModel *m, int64_t rows, const int64_t *ids,
  * computes a row alone, or (the matmuls, attention) in one fixed order per row whoever
  * shares its tiles. A hybrid model's linear layers read each row's state_reads and
  * state_writes (gated_deltanet.h; NULL for a model without them). Returns 0, 1 when
- * scratch memory ran out, 2 for dense weights in a build without AMX tiles, 3 for a first
+ * scratch memory ran out, 2 for dense weights in a build without a dense kernel, 3 for a first
  * row that carries on a row before the step (or a hybrid's rows without state slots), 4
  * for an MTP layer's step without `input_hidden` (each row's [hidden] input state). */
 int forklift_decode_step(const StepModel *m, int64_t rows, const int64_t *ids,

@@ -23,7 +23,7 @@
 #include <omp.h>
 
 /* bf16 scratch elements dense_matmul_rows needs for `rows` rows of k inputs: whole tiles of
- * 16 rows and 32 columns. */
+ * 16 rows and 32 columns (the dot products use the first `rows` of them). */
 static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
     return (rows + 15) / 16 * 16 * ((k + 31) / 32 * 32);
 }

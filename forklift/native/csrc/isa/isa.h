@@ -119,7 +119,8 @@
 #if defined(FORKLIFT_HAS_AMX_BF16) && defined(FORKLIFT_HAS_AVX512_BF16)
 #define FORKLIFT_DENSE_TILES 1
 #endif
-#if defined(FORKLIFT_ISA_AVX512) && defined(FORKLIFT_HAS_AVX512_BF16)
+#if defined(FORKLIFT_DENSE_TILES) || \
+    (defined(FORKLIFT_ISA_AVX512) && defined(FORKLIFT_HAS_AVX512_BF16))
 #define FORKLIFT_DENSE_NATIVE 1
 #endif
 
