@@ -28,6 +28,36 @@ static inline int64_t dense_scratch_elements(int64_t rows, int64_t k) {
     return (rows + 15) / 16 * 16 * ((k + 31) / 32 * 32);
 }
 
+#if defined(FORKLIFT_DENSE_NATIVE)
+/* Row r of xb [padded rows, k_padded]: x's row r [k] fp32 rounded to bf16, zeros past k;
+ * all zeros for a padding row (r >= rows). */
+static inline void dense_round_row(const float *x, int64_t r, int64_t rows, int64_t k,
+                                   int64_t k_padded, uint16_t *xb) {
+    uint16_t *row = xb + r * k_padded;
+    const int64_t filled = r < rows ? k : 0;
+    if (filled) round_to_bf16(x + r * k, k, row);
+    memset(row + filled, 0, sizeof(uint16_t) * (size_t)(k_padded - filled));
+}
+
+/* Lanes of each of a pair's two 16-output blocks that exist (n need not be a multiple of
+ * 32): the pair's first output is `col`. */
+static inline void dense_pair_lanes(int64_t n, int64_t col, __mmask16 lanes[2]) {
+    for (int c = 0; c < 2; c++) {
+        const int64_t width = n - col - 16 * c;
+        lanes[c] = width >= 16 ? 0xffff : width <= 0 ? 0 : (__mmask16)((1u << width) - 1);
+    }
+}
+
+/* This thread's share [begin, end) of the pairs of output blocks: contiguous, in order. */
+static inline void dense_thread_pairs(int64_t pairs, int64_t *begin, int64_t *end) {
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t per = (pairs + threads - 1) / threads;
+    *begin = id * per < pairs ? id * per : pairs;
+    *end = *begin + per < pairs ? *begin + per : pairs;
+}
+
+#endif
+
 /* The kernel (dense_matmul_rows, dense_tiles_available): AMX-BF16 tiles where this build has
  * them (isa/isa.h's FORKLIFT_DENSE_TILES), else AVX512-BF16 dot products
  * (FORKLIFT_DENSE_NATIVE); elsewhere no dense weight runs natively. */

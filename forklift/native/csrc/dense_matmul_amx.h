@@ -78,16 +78,6 @@ static inline __attribute__((always_inline)) void dense_pair(
     }
 }
 
-/* Row r of xb [padded rows, k_padded]: x's row r [k] fp32 rounded to bf16, zeros past k;
- * all zeros for a padding row (r >= rows). */
-static inline void dense_round_row(const float *x, int64_t r, int64_t rows, int64_t k,
-                                   int64_t k_padded, uint16_t *xb) {
-    uint16_t *row = xb + r * k_padded;
-    const int64_t filled = r < rows ? k : 0;
-    if (filled) round_to_bf16(x + r * k, k, row);
-    memset(row + filled, 0, sizeof(uint16_t) * (size_t)(k_padded - filled));
-}
-
 /* out [rows, n] = x [rows, k] @ W.T for packed W (n, k its real sizes). `xb`: scratch of
  * dense_scratch_elements(rows, k) bf16. Pairs of output blocks are split among the threads;
  * each pair's weights come from memory for the first 32 rows and from L2 for the rest. */
@@ -105,20 +95,14 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
         for (int64_t r = 0; r < padded_rows; r++) dense_round_row(x, r, rows, k, k_padded, xb);
         dense_configure();
         float sums[4][256] __attribute__((aligned(64)));
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (pairs + threads - 1) / threads;
-        const int64_t begin = id * per < pairs ? id * per : pairs;
-        const int64_t end = begin + per < pairs ? begin + per : pairs;
+        int64_t begin, end;
+        dense_thread_pairs(pairs, &begin, &end);
         for (int64_t j = begin; j < end; j++) {
             const uint16_t *first = packed + 2 * j * k_tiles * 512;
             const uint16_t *second = first + k_tiles * 512;
             const int64_t col = 32 * j;
-            /* Lanes of each 16-output block that exist (n need not be a multiple of 32). */
             __mmask16 lanes[2];
-            for (int c = 0; c < 2; c++) {
-                const int64_t width = n - col - 16 * c;
-                lanes[c] = width >= 16 ? 0xffff : width <= 0 ? 0 : (__mmask16)((1u << width) - 1);
-            }
+            dense_pair_lanes(n, col, lanes);
             for (int64_t r0 = 0; r0 < rows; r0 += 32) {
                 const int64_t pass_rows = rows - r0 < 32 ? rows - r0 : 32;
                 const uint16_t *xp = xb + r0 * k_padded;

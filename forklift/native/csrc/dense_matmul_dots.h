@@ -59,23 +59,15 @@ static inline void dense_matmul_rows(const uint16_t *packed, int64_t n, int64_t 
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            round_to_bf16(x + r * k, k, xb + r * k_padded);
-            memset(xb + r * k_padded + k, 0, sizeof(uint16_t) * (size_t)(k_padded - k));
-        }
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t per = (pairs + threads - 1) / threads;
-        const int64_t begin = id * per < pairs ? id * per : pairs;
-        const int64_t end = begin + per < pairs ? begin + per : pairs;
+        for (int64_t r = 0; r < rows; r++) dense_round_row(x, r, rows, k, k_padded, xb);
+        int64_t begin, end;
+        dense_thread_pairs(pairs, &begin, &end);
         for (int64_t j = begin; j < end; j++) {
             const uint16_t *first = packed + 2 * j * k_tiles * 512;
             const uint16_t *second = first + k_tiles * 512;
             const int64_t col = 32 * j;
             __mmask16 lanes[2];
-            for (int c = 0; c < 2; c++) {
-                const int64_t width = n - col - 16 * c;
-                lanes[c] = width >= 16 ? 0xffff : width <= 0 ? 0 : (__mmask16)((1u << width) - 1);
-            }
+            dense_pair_lanes(n, col, lanes);
             for (int64_t r0 = 0; r0 < rows; r0 += DENSE_DOT_ROWS) {
                 const int pass = rows - r0 < DENSE_DOT_ROWS ? (int)(rows - r0) : DENSE_DOT_ROWS;
                 const uint16_t *xp = xb + r0 * k_padded;
