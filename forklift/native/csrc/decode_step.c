@@ -10,8 +10,8 @@
  * its group's blocks, window-masked, and writes its own slots).
  *
  * Every linear is a block-quantized weight (quant_matmul.h) or, where the CPU has AMX or
- * AVX512-BF16, a dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms and the
- * embedding are in the model's dtype (bf16 or fp32), the KV cache in bf16 or fp32 (bf16
+ * AVX512-BF16, a dense bf16 one in tiles (dense_matmul.h: RL rollouts' pushed weights); norms
+ * and the embedding are in the model's dtype (bf16 or fp32), the KV cache in bf16 or fp32 (bf16
  * under an fp32 model by default) or in rows of one-byte codes with a scale each
  * (paged_attention.h's coded formats), converted or quantized as they are written. A row
  * running a LoRA adapter adds its slot's delta to each projection it adapts (float32 slots,

@@ -48,6 +48,29 @@ static inline void dense_pair_lanes(int64_t n, int64_t col, __mmask16 lanes[2]) 
     }
 }
 
+/* Every line of the tiles `ahead` tiles past tile t of a pair's two blocks, fetched with
+ * __builtin_prefetch's `locality` (1-3; a constant at each call, as the builtin needs once
+ * inlined). Near a block's end the addresses run on into the tiles after it (the second
+ * block's, the next pair's, or past the buffer: a prefetch never faults, and the addresses
+ * are formed as integers, not as pointers past the array). */
+static inline __attribute__((always_inline)) void dense_prefetch_pair(
+    const uint16_t *first, const uint16_t *second, int64_t t, int64_t ahead, int locality) {
+    const uintptr_t offset = (uintptr_t)(t + ahead) * 1024;
+    const uintptr_t a = (uintptr_t)first + offset, b = (uintptr_t)second + offset;
+    for (uintptr_t line = 0; line < 1024; line += 64) {
+        if (locality == 1) {
+            __builtin_prefetch((const void *)(a + line), 0, 1);
+            __builtin_prefetch((const void *)(b + line), 0, 1);
+        } else if (locality == 2) {
+            __builtin_prefetch((const void *)(a + line), 0, 2);
+            __builtin_prefetch((const void *)(b + line), 0, 2);
+        } else {
+            __builtin_prefetch((const void *)(a + line), 0, 3);
+            __builtin_prefetch((const void *)(b + line), 0, 3);
+        }
+    }
+}
+
 /* This thread's share [begin, end) of the pairs of output blocks: contiguous, in order. */
 static inline void dense_thread_pairs(int64_t pairs, int64_t *begin, int64_t *end) {
     const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();

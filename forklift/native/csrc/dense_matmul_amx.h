@@ -40,17 +40,7 @@ static inline __attribute__((always_inline)) void dense_pair(
         _tile_zero(3);
     }
     for (int64_t t = 0; t < k_tiles; t++) {
-        if (fetch) {
-            /* Near a block's end the addresses run on into the tiles after it (the second
-             * block's, the next pair's, or past the buffer: a prefetch never faults, and the
-             * addresses are formed as integers, not as pointers past the array). */
-            const uintptr_t ahead = (uintptr_t)(t + DENSE_PREFETCH_TILES) * 1024;
-            const uintptr_t a = (uintptr_t)first + ahead, b = (uintptr_t)second + ahead;
-            for (uintptr_t line = 0; line < 1024; line += 64) {
-                __builtin_prefetch((const void *)(a + line), 0, 2);
-                __builtin_prefetch((const void *)(b + line), 0, 2);
-            }
-        }
+        if (fetch) dense_prefetch_pair(first, second, t, DENSE_PREFETCH_TILES, 2);
         _tile_loadd(6, first + t * 512, 64);
         _tile_loadd(4, x + 32 * t, row_bytes);
         _tile_dpbf16ps(0, 4, 6);

@@ -21,17 +21,8 @@ static inline __attribute__((always_inline)) void dense_dot_pass(
     int64_t stride, int rows, int fetch, __m512 acc[2 * DENSE_DOT_ROWS]) {
     for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t t = 0; t < k_tiles; t++) {
-        if (fetch) {
-            /* Addresses past a block run on into the next one or past the buffer, formed as
-             * integers: a prefetch never faults. */
-            const uintptr_t ahead = (uintptr_t)(t + DENSE_DOT_PREFETCH_TILES) * 1024;
-            for (uintptr_t line = 0; line < 1024; line += 64) {
-                __builtin_prefetch((const void *)((uintptr_t)first + ahead + line), 0,
-                                   PREFETCH_LOCALITY);
-                __builtin_prefetch((const void *)((uintptr_t)second + ahead + line), 0,
-                                   PREFETCH_LOCALITY);
-            }
-        }
+        if (fetch)
+            dense_prefetch_pair(first, second, t, DENSE_DOT_PREFETCH_TILES, PREFETCH_LOCALITY);
         const uint16_t *w0 = first + t * 512, *w1 = second + t * 512;
         const uint16_t *xt = x + 32 * t;
         for (int i = 0; i < 16; i++) {
